@@ -1,0 +1,20 @@
+"""genq's generation engine: a paged, continuous-batching generator with a
+job API after exllamav2's dynamic generator. No Redis, no Celery here."""
+
+from engine.errors import JobRejected, ModelLoadError, QueueFull, UnsupportedArchitectureError
+from engine.generator import Generator, GeneratorStats
+from engine.job import Job
+from engine.sampling import SamplerSettings
+from engine.tokenizer import Tokenizer
+
+__all__ = [
+    "Generator",
+    "GeneratorStats",
+    "Job",
+    "JobRejected",
+    "ModelLoadError",
+    "QueueFull",
+    "SamplerSettings",
+    "Tokenizer",
+    "UnsupportedArchitectureError",
+]

@@ -1,0 +1,31 @@
+"""The flattened, variable-length batch one model forward runs over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of many sequences in one tensor, plus where each one's K/V lives.
+
+    input_ids, positions, slot_mapping: [T], one entry per token this step.
+    cu_seqlens_q: [B + 1] int32 offsets of each sequence's tokens.
+    context_lens: [B] int32 sequence lengths including this step's tokens.
+    page_table: [B, max_pages] int32 physical pages per sequence.
+    logits_indices: [N] rows of T whose next-token logits are wanted.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    page_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]

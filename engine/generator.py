@@ -1,0 +1,435 @@
+"""The continuous-batching generator: enqueue jobs, call iterate() to advance
+every active job by one scheduling step and one batched forward.
+
+Results are plain dicts (exllamav2's dynamic-generator shape):
+- stage "started": the job was scheduled for the first time;
+- stage "streaming": tokens produced this step; "text" is the newly released
+  text (possibly "" while a stop string or a split character is held back);
+- stage "eos": the final result of the job, carrying the step's last chunk
+  plus eos_reason, full_completion, counts and timings.
+Stop tokens count as generated tokens (token_ids, new_tokens) but never
+appear in the text; stop strings never appear in the text either.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cache import KVCache, PagePool
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import JobRejected, QueueFull
+from engine.job import Job
+from engine.model import CausalLM
+from engine.sampling import SamplerSettings, SamplingRow, sample
+from engine.scheduler import ScheduledSequence, Scheduler
+from engine.sequence import Sequence
+from engine.stops import StopStringMatcher
+from engine.tokenizer import Tokenizer
+from engine.weights import load_model
+
+log = logging.getLogger(__name__)
+
+Result = dict[str, Any]
+
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_CHUNK_SIZE = 2048
+DEFAULT_MAX_BATCH_SIZE = 256
+DEFAULT_MAX_PENDING = 1024
+DEFAULT_CPU_CACHE_BYTES = 1 << 30
+CUDA_CACHE_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class GeneratorStats:
+    active_jobs: int
+    pending_jobs: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    page_size: int
+    steps: int
+    generated_tokens: int
+    computed_prompt_tokens: int
+    preemptions: int
+
+
+class Generator:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        tokenizer: Tokenizer,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        max_chunk_size: int | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_skips: int = 16,
+        seed: int | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.device = cache.k.device
+        self.page_size = cache.page_size
+        self.pool = PagePool(cache.num_pages)
+        capacity = cache.num_pages * cache.page_size
+        self.max_seq_len = min(max_seq_len or model.config.max_position_embeddings, capacity)
+        self.max_chunk_size = max_chunk_size or DEFAULT_MAX_CHUNK_SIZE
+        self.max_batch_size = max_batch_size or min(DEFAULT_MAX_BATCH_SIZE, self.max_chunk_size, cache.num_pages)
+        if self.max_batch_size > self.max_chunk_size:
+            raise ValueError(
+                f"max_batch_size={self.max_batch_size} exceeds max_chunk_size={self.max_chunk_size}: "
+                "every running job must be able to decode in each step"
+            )
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.max_pending = max_pending
+        self.scheduler = Scheduler(self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips)
+        self._sequences: dict[int, Sequence] = {}
+        self._next_serial = 0
+        self._undelivered: list[Result] = []
+        self._seed_source = random.Random(seed)
+        self._steps = 0
+        self._generated_tokens = 0
+        self._computed_prompt_tokens = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        cache_tokens: int | None = None,
+        page_size: int | None = None,
+        cache_memory: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        **generator_options: Any,
+    ) -> Generator:
+        """Load model + tokenizer from an HF directory and size the paged cache
+        from cache_tokens, else cache_memory bytes, else a device default
+        (1 GiB on CPU, 85% of free memory on CUDA), never more than
+        max_batch_size * max_seq_len tokens would use."""
+        device = torch.device(device)
+        tokenizer = Tokenizer.from_dir(path)
+        model = load_model(path, device, dtype, progress)
+        page_size = page_size or DEFAULT_PAGE_SIZE
+        cache_dtype = model.embed_tokens.weight.dtype
+        per_token = KVCache.bytes_per_token(model.config, cache_dtype)
+        if cache_tokens is None:
+            if cache_memory is None:
+                cache_memory = _default_cache_bytes(device)
+            max_seq_len = generator_options.get("max_seq_len") or model.config.max_position_embeddings
+            max_batch = generator_options.get("max_batch_size") or DEFAULT_MAX_BATCH_SIZE
+            cache_tokens = min(cache_memory // per_token, max_seq_len * max_batch)
+        num_pages = max(1, -(-cache_tokens // page_size))
+        cache = KVCache.allocate(model.config, num_pages, page_size, cache_dtype, device)
+        log.info(
+            "loaded %s (%s, %s) with a KV cache of %d pages x %d tokens (%.1f MiB)",
+            path, model.config.family, cache_dtype, num_pages, page_size, num_pages * page_size * per_token / 2**20,
+        )
+        return cls(model, cache, tokenizer, **generator_options)
+
+    # -- the job API -------------------------------------------------------
+
+    def enqueue(self, job: Job) -> int:
+        """Queue a job; returns its serial. Raises JobRejected if it can never
+        run here, QueueFull if max_pending jobs are already waiting."""
+        self._check_fits(job)
+        self._check_settings(job.gen_settings)
+        if len(self.scheduler.waiting) >= self.max_pending:
+            raise QueueFull(f"{len(self.scheduler.waiting)} jobs already pending (max_pending={self.max_pending})")
+        serial = self._next_serial
+        self._next_serial += 1
+        job.serial = serial
+        stop_ids = job.stop_token_ids
+        if stop_ids is None:
+            stop_ids = frozenset(self.tokenizer.eos_token_ids)
+        rng = None
+        if not job.gen_settings.is_greedy:
+            rng = torch.Generator(device="cpu")
+            rng.manual_seed(job.seed if job.seed is not None else self._seed_source.randrange(2**63))
+        sequence = Sequence(
+            job=job,
+            serial=serial,
+            token_ids=list(job.input_ids),
+            num_prompt_tokens=len(job.input_ids),
+            stop_token_ids=stop_ids,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, job.input_ids, skip_special_tokens=not job.decode_special_tokens
+            ),
+            stop_matcher=StopStringMatcher(job.stop_strings) if job.stop_strings else None,
+            rng=rng,
+            time_enqueued=time.monotonic(),
+        )
+        self._sequences[serial] = sequence
+        self.scheduler.add(sequence)
+        return serial
+
+    def _check_settings(self, settings: SamplerSettings) -> None:
+        try:
+            settings.validate(self.model.config.vocab_size)
+        except ValueError as error:
+            raise JobRejected(f"gen_settings: {error}") from error
+
+    def cancel(self, job: Job | int) -> bool:
+        """Stop a job now and free its pages; its final result (eos_reason
+        "cancelled") comes with the next iterate(). False if it was not active."""
+        serial = job if isinstance(job, int) else job.serial
+        sequence = self._sequences.pop(serial, None) if serial is not None else None
+        if sequence is None:
+            return False
+        self.scheduler.remove(sequence)
+        self._undelivered.append(self._final_result(sequence, "", [], "cancelled"))
+        return True
+
+    def num_remaining_jobs(self) -> int:
+        return len(self._sequences) + len(self._undelivered)
+
+    def num_active_jobs(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_pending_jobs(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def stats(self) -> GeneratorStats:
+        return GeneratorStats(
+            active_jobs=len(self.scheduler.running),
+            pending_jobs=len(self.scheduler.waiting),
+            pages_total=self.pool.num_pages,
+            pages_used=self.pool.num_used,
+            pages_free=self.pool.num_free,
+            page_size=self.page_size,
+            steps=self._steps,
+            generated_tokens=self._generated_tokens,
+            computed_prompt_tokens=self._computed_prompt_tokens,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    def iterate(self) -> list[Result]:
+        """One scheduling step and one batched forward; returns every result
+        produced (started / streaming / eos) in this step."""
+        results, self._undelivered = self._undelivered, []
+        schedule = self.scheduler.schedule()
+        now = time.monotonic()
+        for sequence in schedule.started:
+            sequence.time_started = now
+            results.append(self._result(sequence, "started"))
+        if not schedule.scheduled:
+            return results
+        self._steps += 1
+        batch = self._build_batch(schedule.scheduled)
+        logits = self.model(batch, self.cache.k, self.cache.v)
+        sampling = [s.sequence for s in schedule.scheduled if s.samples]
+        for item in schedule.scheduled:
+            if item.sequence.num_computed < item.sequence.num_prompt_tokens:
+                self._computed_prompt_tokens += min(
+                    item.num_tokens, item.sequence.num_prompt_tokens - item.sequence.num_computed
+                )
+            item.sequence.num_computed += item.num_tokens
+        if sampling:
+            tokens = sample(logits, [self._sampling_row(s) for s in sampling]).tolist()
+            now = time.monotonic()
+            for sequence, token in zip(sampling, tokens):
+                results.append(self._accept_token(sequence, token, now))
+        return results
+
+    def generate(
+        self,
+        prompt: str | Seq[str],
+        max_new_tokens: int = 128,
+        min_new_tokens: int = 0,
+        gen_settings: SamplerSettings | None = None,
+        stop_conditions: Seq[int | str] | None = None,
+        seed: int | None = None,
+        add_bos: bool = True,
+        decode_special_tokens: bool = False,
+    ) -> str | list[str]:
+        """Blocking convenience: complete one prompt (-> str) or many
+        (-> list[str], in order). Needs an otherwise idle generator."""
+        if self.num_remaining_jobs():
+            raise RuntimeError("generate() needs an idle generator; use enqueue()/iterate() alongside other jobs")
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        jobs = [
+            Job(
+                self.tokenizer.encode(text, add_special_tokens=add_bos),
+                max_new_tokens,
+                min_new_tokens=min_new_tokens,
+                stop_conditions=stop_conditions,
+                gen_settings=gen_settings,
+                seed=None if seed is None else seed + i,
+                decode_special_tokens=decode_special_tokens,
+            )
+            for i, text in enumerate(prompts)
+        ]
+        completions: dict[int, str] = {}
+        for job in jobs:
+            self.enqueue(job)
+        while self.num_remaining_jobs():
+            for result in self.iterate():
+                if result["eos"]:
+                    completions[result["serial"]] = result["full_completion"]
+        texts = [completions[job.serial] for job in jobs if job.serial is not None]
+        return texts[0] if isinstance(prompt, str) else texts
+
+    # -- internals ---------------------------------------------------------
+
+    def _check_fits(self, job: Job) -> None:
+        total = len(job.input_ids) + job.max_new_tokens
+        if total > self.max_seq_len:
+            raise JobRejected(
+                f"prompt ({len(job.input_ids)} tokens) + max_new_tokens ({job.max_new_tokens}) = {total} "
+                f"exceeds max_seq_len={self.max_seq_len}"
+            )
+        pages = self.scheduler.pages_for(total)
+        if pages > self.pool.num_pages:
+            raise JobRejected(
+                f"prompt + max_new_tokens = {total} tokens needs {pages} cache pages; the cache has "
+                f"{self.pool.num_pages} (page_size={self.page_size})"
+            )
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in job.input_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise JobRejected(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab})")
+
+    def _build_batch(self, scheduled: list[ScheduledSequence]) -> ForwardBatch:
+        page_size = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_pages = max(len(item.sequence.pages) for item in scheduled)
+        page_table: list[list[int]] = []
+        for item in scheduled:
+            sequence = item.sequence
+            start = sequence.num_computed
+            end = start + item.num_tokens
+            pages = sequence.pages
+            input_ids.extend(sequence.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+            cu_seqlens.append(cu_seqlens[-1] + item.num_tokens)
+            context_lens.append(end)
+            if item.samples:
+                logits_indices.append(cu_seqlens[-1] - 1)
+            page_table.append(pages + [pages[0]] * (max_pages - len(pages)))
+        device = self.device
+
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=tensor(input_ids, torch.long),
+            positions=tensor(positions, torch.long),
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            page_table=tensor(page_table, torch.int32),
+            slot_mapping=tensor(slots, torch.long),
+            logits_indices=tensor(logits_indices, torch.long),
+        )
+
+    def _sampling_row(self, sequence: Sequence) -> SamplingRow:
+        job = sequence.job
+        suppress = sequence.stop_token_ids if sequence.num_generated < job.min_new_tokens else ()
+        return SamplingRow(
+            settings=job.gen_settings,
+            prompt_ids=job.input_ids,
+            output_ids=sequence.output_ids,
+            generator=sequence.rng,
+            suppress_ids=tuple(suppress),
+        )
+
+    def _accept_token(self, sequence: Sequence, token: int, now: float) -> Result:
+        """Append a sampled token, release its text, and finish the job if a
+        stop condition or max_new_tokens is reached."""
+        sequence.token_ids.append(token)
+        self._generated_tokens += 1
+        if sequence.time_first_token is None:
+            sequence.time_first_token = now
+        job = sequence.job
+        can_stop = sequence.num_generated >= job.min_new_tokens
+        matcher = sequence.stop_matcher
+        if token in sequence.stop_token_ids and can_stop:
+            text = self._release(sequence, sequence.detokenizer.flush(), can_stop=True)[0]
+            if matcher is not None:
+                text += matcher.flush()
+            return self._finish(sequence, text, [token], "stop_token", token)
+        text, stop_string = self._release(sequence, sequence.detokenizer.add([token]), can_stop)
+        if stop_string is not None:
+            return self._finish(sequence, text, [token], "stop_string", stop_string)
+        if sequence.num_generated >= job.max_new_tokens:
+            tail, stop_string = self._release(sequence, sequence.detokenizer.flush(), can_stop)
+            text += tail
+            if stop_string is not None:
+                return self._finish(sequence, text, [token], "stop_string", stop_string)
+            if matcher is not None:
+                text += matcher.flush()
+            return self._finish(sequence, text, [token], "max_new_tokens", None)
+        sequence.completion.append(text)
+        return self._result(sequence, "streaming", text, [token])
+
+    @staticmethod
+    def _release(sequence: Sequence, text: str, can_stop: bool) -> tuple[str, str | None]:
+        if sequence.stop_matcher is None:
+            return text, None
+        return sequence.stop_matcher.feed(text, can_stop)
+
+    def _finish(self, sequence: Sequence, text: str, token_ids: list[int], reason: str, trigger: int | str | None
+                ) -> Result:
+        sequence.completion.append(text)
+        self._sequences.pop(sequence.serial, None)
+        self.scheduler.remove(sequence)
+        result = self._final_result(sequence, text, token_ids, reason)
+        if isinstance(trigger, int):
+            result["eos_token_id"] = trigger
+        elif isinstance(trigger, str):
+            result["eos_string"] = trigger
+        return result
+
+    def _result(self, sequence: Sequence, stage: str, text: str = "", token_ids: list[int] | None = None) -> Result:
+        return {
+            "job": sequence.job,
+            "serial": sequence.serial,
+            "identifier": sequence.job.identifier,
+            "stage": stage,
+            "eos": False,
+            "text": text,
+            "token_ids": token_ids or [],
+        }
+
+    def _final_result(self, sequence: Sequence, text: str, token_ids: list[int], reason: str) -> Result:
+        now = time.monotonic()
+        started = sequence.time_started if sequence.time_started is not None else now
+        first = sequence.time_first_token if sequence.time_first_token is not None else now
+        result = self._result(sequence, "eos", text, token_ids)
+        result.update(
+            eos=True,
+            eos_reason=reason,
+            full_completion="".join(sequence.completion),
+            completion_ids=sequence.output_ids,
+            new_tokens=sequence.num_generated,
+            prompt_tokens=sequence.num_prompt_tokens,
+            cached_tokens=0,
+            time_enqueued=started - sequence.time_enqueued,
+            time_prefill=first - started,
+            time_generate=now - first,
+        )
+        return result
+
+
+def _default_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_CACHE_FRACTION)
+    return DEFAULT_CPU_CACHE_BYTES

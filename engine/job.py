@@ -1,0 +1,88 @@
+"""A generation request: its inputs, settings and stop conditions.
+
+Runtime state (pages, generated tokens, detokenizer) lives in the
+generator's Sequence for the job; a Job itself is just the request plus the
+serial the generator gave it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from engine.sampling import SamplerSettings
+
+class Job:
+    """One request. `stop_conditions=None` stops on the model's EOS ids
+    (tokenizer_config + generation_config); pass `[]` to never stop early.
+    The default sampler is greedy; pass `gen_settings` to sample."""
+
+    def __init__(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        min_new_tokens: int = 0,
+        stop_conditions: Iterable[int | str] | None = None,
+        gen_settings: SamplerSettings | None = None,
+        identifier: Any = None,
+        seed: int | None = None,
+        decode_special_tokens: bool = False,
+    ) -> None:
+        self.input_ids = _as_token_list(input_ids)
+        if not self.input_ids:
+            raise ValueError("input_ids is empty: a job needs at least one prompt token")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not isinstance(min_new_tokens, int) or not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be an integer in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}"
+            )
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.stop_token_ids: frozenset[int] | None = None
+        self.stop_strings: tuple[str, ...] = ()
+        if stop_conditions is not None:
+            self.stop_token_ids, self.stop_strings = _split_stop_conditions(stop_conditions)
+        self.gen_settings = gen_settings or SamplerSettings.greedy()
+        self.identifier = identifier
+        if seed is not None and (not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        self.seed = seed
+        self.decode_special_tokens = decode_special_tokens
+        self.serial: int | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Job(serial={self.serial}, identifier={self.identifier!r}, prompt_tokens={len(self.input_ids)}, "
+            f"max_new_tokens={self.max_new_tokens})"
+        )
+
+
+def _as_token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids tensor must be 1-D or (1, n), got shape {tuple(input_ids.shape)}")
+        return [int(t) for t in input_ids.tolist()]
+    tokens = list(input_ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ValueError("input_ids must be a list of integers")
+    return tokens
+
+
+def _split_stop_conditions(conditions: Iterable[int | str]) -> tuple[frozenset[int], tuple[str, ...]]:
+    token_ids: set[int] = set()
+    strings: list[str] = []
+    for condition in conditions:
+        if isinstance(condition, str):
+            if not condition:
+                raise ValueError("stop_conditions contains an empty string")
+            strings.append(condition)
+        elif isinstance(condition, int) and not isinstance(condition, bool):
+            token_ids.add(condition)
+        else:
+            raise ValueError(f"stop_conditions entries must be token ids (int) or strings, got {condition!r}")
+    return frozenset(token_ids), tuple(strings)

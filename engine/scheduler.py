@@ -1,0 +1,155 @@
+"""Step scheduling: which sequences run in the next forward, with how many tokens.
+
+Per step, within a token budget (max_chunk_size):
+1. running sequences that decode (one uncomputed token) go first, oldest first;
+2. running sequences still in prefill get the next chunk of their prompt;
+3. waiting sequences are admitted (up to max_batch_size running) when the
+   free pages, less those promised to unfinished prefills, cover their whole
+   remaining prompt plus the first token they will generate; their first
+   chunk runs in this same step.
+
+A sequence that needs a page when none is free makes the scheduler preempt
+the newest running sequence (vLLM's recompute policy): its pages are freed
+and it goes back to the head of the queue with its generated tokens kept, to
+be prefilled again later. Admission may pass over a waiting sequence that
+does not fit yet, but at most max_skips times; after that nothing overtakes
+it, so no job starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.cache import PagePool
+from engine.sequence import Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    sequence: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last known token, so its
+        logits give the next one."""
+        return self.sequence.num_computed + self.num_tokens == len(self.sequence.token_ids)
+
+
+@dataclass
+class Schedule:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    started: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self, pool: PagePool, page_size: int, max_batch_size: int, max_chunk_size: int, max_skips: int = 16
+    ) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.max_batch_size = max_batch_size
+        self.max_chunk_size = max_chunk_size
+        self.max_skips = max_skips
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def remove(self, sequence: Sequence) -> None:
+        """Drop a finished or cancelled sequence and free its pages now."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self._free_pages(sequence)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def schedule(self) -> Schedule:
+        schedule = Schedule()
+        budget = self.max_chunk_size
+        scheduled: set[int] = set()
+
+        for sequence in [s for s in self.running if s.num_uncomputed == 1]:
+            if budget == 0:
+                break
+            if sequence.serial in scheduled or sequence not in self.running:
+                continue
+            if self._grow(sequence, len(sequence.token_ids), scheduled, schedule):
+                schedule.scheduled.append(ScheduledSequence(sequence, 1))
+                scheduled.add(sequence.serial)
+                budget -= 1
+
+        for sequence in [s for s in self.running if s.num_uncomputed > 1]:
+            if budget == 0:
+                break
+            if sequence.serial in scheduled or sequence not in self.running:
+                continue
+            chunk = min(sequence.num_uncomputed, budget)
+            if self._grow(sequence, sequence.num_computed + chunk, scheduled, schedule):
+                schedule.scheduled.append(ScheduledSequence(sequence, chunk))
+                scheduled.add(sequence.serial)
+                budget -= chunk
+
+        budget = self._admit(budget, schedule)
+        return schedule
+
+    def _admit(self, budget: int, schedule: Schedule) -> int:
+        promised = sum(
+            self.pages_for(len(s.token_ids)) - len(s.pages) for s in self.running if s.num_uncomputed > 1
+        )
+        passed_over: list[Sequence] = []
+        for sequence in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_batch_size:
+                break
+            if any(s.skips >= self.max_skips for s in passed_over):
+                break
+            needed = self.pages_for(len(sequence.token_ids) + 1)
+            if self.pool.num_free - promised < needed:
+                passed_over.append(sequence)
+                continue
+            for earlier in passed_over:
+                earlier.skips += 1
+            chunk = min(sequence.num_uncomputed, budget)
+            self.waiting.remove(sequence)
+            self.running.append(sequence)
+            sequence.pages.extend(self.pool.allocate(self.pages_for(sequence.num_computed + chunk)))
+            promised += self.pages_for(len(sequence.token_ids)) - len(sequence.pages)
+            schedule.scheduled.append(ScheduledSequence(sequence, chunk))
+            if sequence.time_started is None:
+                schedule.started.append(sequence)
+            budget -= chunk
+        return budget
+
+    def _grow(self, sequence: Sequence, num_tokens: int, scheduled: set[int], schedule: Schedule) -> bool:
+        """Give the sequence pages for num_tokens tokens, preempting the newest
+        unscheduled running sequences as needed. False if it was itself preempted."""
+        needed = self.pages_for(num_tokens) - len(sequence.pages)
+        while needed > self.pool.num_free:
+            victim = next((s for s in reversed(self.running) if s.serial not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(victim, schedule)
+            if victim is sequence:
+                return False
+        if needed > 0:
+            sequence.pages.extend(self.pool.allocate(needed))
+        return True
+
+    def _preempt(self, sequence: Sequence, schedule: Schedule) -> None:
+        self.running.remove(sequence)
+        self._free_pages(sequence)
+        sequence.num_computed = 0
+        self.waiting.appendleft(sequence)
+        schedule.preempted.append(sequence)
+        self.num_preemptions += 1
+
+    def _free_pages(self, sequence: Sequence) -> None:
+        self.pool.release(sequence.pages)
+        sequence.pages = []

@@ -1,0 +1,45 @@
+"""Per-job runtime state the generator and scheduler work on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.job import Job
+from engine.stops import StopStringMatcher
+
+
+@dataclass
+class Sequence:
+    """A job's tokens and where they stand: token_ids holds prompt + generated
+    tokens, of which the first num_computed have K/V in the cache pages."""
+
+    job: Job
+    serial: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    stop_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher | None
+    rng: torch.Generator | None
+    time_enqueued: float
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    skips: int = 0
+    time_started: float | None = None
+    time_first_token: float | None = None
+    completion: list[str] = field(default_factory=list)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
