@@ -286,15 +286,12 @@ class Generator:
     def _check_fits(self, job: Job) -> None:
         total = len(job.input_ids) + job.max_new_tokens
         if total > self.max_seq_len:
+            limit = f"max_seq_len={self.max_seq_len}"
+            if self.max_seq_len == self.pool.num_pages * self.page_size:
+                limit += f" (the whole KV cache: {self.pool.num_pages} pages x {self.page_size} tokens)"
             raise JobRejected(
                 f"prompt ({len(job.input_ids)} tokens) + max_new_tokens ({job.max_new_tokens}) = {total} "
-                f"exceeds max_seq_len={self.max_seq_len}"
-            )
-        pages = self.scheduler.pages_for(total)
-        if pages > self.pool.num_pages:
-            raise JobRejected(
-                f"prompt + max_new_tokens = {total} tokens needs {pages} cache pages; the cache has "
-                f"{self.pool.num_pages} (page_size={self.page_size})"
+                f"exceeds {limit}"
             )
         vocab = self.model.config.vocab_size
         bad = next((t for t in job.input_ids if not 0 <= t < vocab), None)

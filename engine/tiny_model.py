@@ -431,7 +431,7 @@ def _write_weights(out: Path, weights: dict[str, torch.Tensor], num_shards: int)
     weight_map: dict[str, str] = {}
     for shard in range(num_shards):
         filename = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: weights[n] for n, s in zip(names, assignment) if s == shard}
+        part = {n: weights[n] for n, s in zip(names, assignment, strict=True) if s == shard}
         _save_safetensors(part, out / filename)
         weight_map.update(dict.fromkeys(part, filename))
     index = {

@@ -78,8 +78,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # transformers overrides jinja's tojson, which would HTML-escape <, > and &.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -141,9 +142,7 @@ class Tokenizer:
         self.pad_token_id = self._named_id("pad_token")
         eos = [self.eos_token_id] if self.eos_token_id is not None else []
         self.eos_token_ids = list(dict.fromkeys([*eos, *self.generation_eos_token_ids]))
-        self.special_token_ids = frozenset(
-            i for i, t in self.backend.get_added_tokens_decoder().items() if t.special
-        )
+        self.special_token_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
         self._post_processor_adds_bos = self._probe_post_processor_bos()
         self.add_bos_token = self._post_processor_adds_bos if add_bos_override is None else add_bos_override
 
@@ -155,9 +154,7 @@ class Tokenizer:
             raise ModelLoadError(f"tokenizer directory {root} does not exist")
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ModelLoadError(
-                f"tokenizer.json not found in {root}; only fast (tokenizers) tokenizers are supported"
-            )
+            raise ModelLoadError(f"tokenizer.json not found in {root}; only fast (tokenizers) tokenizers are supported")
         try:
             backend = BackendTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises bare Exception on malformed files
@@ -173,11 +170,13 @@ class Tokenizer:
             content = _token_content(value, f"{file} {name}")
             if content is not None:
                 special_tokens[name] = content
+        # A list (additional_special_tokens) or, in newer configs, a dict of model-specific names.
         extras = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+        extras = list(extras.values()) if isinstance(extras, dict) else extras
         extra_special_tokens = [
             content
             for i, token in enumerate(extras if isinstance(extras, list) else [])
-            if (content := _token_content(token, f"tokenizer_config.json additional_special_tokens[{i}]"))
+            if (content := _token_content(token, f"tokenizer_config.json extra_special_tokens[{i}]"))
         ]
         add_bos = config.get("add_bos_token")
         if add_bos is not None and not isinstance(add_bos, bool):
@@ -194,9 +193,7 @@ class Tokenizer:
             extra_special_tokens=extra_special_tokens,
             add_bos_override=add_bos,
             chat_template=template,
-            generation_eos_token_ids=_as_id_list(
-                generation.get("eos_token_id"), "generation_config.json eos_token_id"
-            ),
+            generation_eos_token_ids=_as_id_list(generation.get("eos_token_id"), "generation_config.json eos_token_id"),
             source=str(root),
         )
 

@@ -74,9 +74,22 @@ def test_transformers_loads_every_weight(tiny_dirs: dict[str, Path], family: str
 def test_config_is_a_real_checkpoint_config(tiny_dirs: dict[str, Path], family: str) -> None:
     config = _read(tiny_dirs[family] / "config.json")
     assert config["architectures"] == [ARCHITECTURES[family]] and config["model_type"] == family
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-                "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id", "torch_dtype"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "torch_dtype",
+    ):
         assert key in config, key
     assert config["hidden_act"] == "silu" and config["torch_dtype"] == "float32"
     assert config["tie_word_embeddings"] == family.startswith("qwen")
@@ -120,8 +133,9 @@ def test_llama3_rope_scaling_changes_some_frequencies(tiny_dirs: dict[str, Path]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_have_clear_top1_margins(tiny_dirs: dict[str, Path], family: str) -> None:
     model, _ = _load(tiny_dirs[family])
-    ids = torch.randint(len(SPECIAL_TOKENS), model.config.vocab_size, (4, 32),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        len(SPECIAL_TOKENS), model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         logits = model(ids).logits
     top2 = logits.topk(2, dim=-1).values
@@ -136,9 +150,10 @@ def test_greedy_output_is_not_one_repeated_token(tiny_dirs: dict[str, Path], fam
     model, _ = _load(tiny_dirs[family])
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dirs[family])
     prompt = tokenizer("The quick brown fox", return_tensors="pt")
-    out = model.generate(**prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
-                         pad_token_id=tokenizer.pad_token_id)
-    new = out[0, prompt["input_ids"].shape[1]:].tolist()
+    out = model.generate(
+        **prompt, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+    )
+    new = out[0, prompt["input_ids"].shape[1] :].tolist()
     assert len(new) == 32 and len(set(new)) >= 8
 
 
@@ -228,7 +243,8 @@ def test_module_does_not_import_transformers() -> None:
     code = (
         "import sys, importlib.util\n"
         "spec = importlib.util.spec_from_file_location('tm', sys.argv[1])\n"
-        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "module = sys.modules['tm'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
         "assert 'transformers' not in sys.modules, 'tiny_model imported transformers'\n"
     )
     source = Path(__file__).resolve().parents[1] / "engine" / "tiny_model.py"
