@@ -60,7 +60,8 @@ class PagePool:
 
 @dataclass
 class KVCache:
-    """Per-layer K and V pages: k and v are [layers, pages, page_size, kv_heads, head_dim]."""
+    """Per-layer K and V pages: k and v are [layers, kv_heads, pages, page_size, head_dim]
+    (the layout kernels/ works on)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -68,7 +69,7 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -79,7 +80,7 @@ class KVCache:
     def allocate(
         cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> KVCache:
-        shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
         return cls(
             k=torch.zeros(shape, dtype=dtype, device=device),
             v=torch.zeros(shape, dtype=dtype, device=device),

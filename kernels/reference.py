@@ -3,9 +3,12 @@ Triton kernels implement. They keep the paged KV layout, run on any device,
 and are the CPU path of the engine.
 
 Paged layout: each layer's K (and V) cache is a tensor
-[num_pages, page_size, num_kv_heads, head_dim]; token slot s lives at
-page s // page_size, offset s % page_size. A sequence's page table lists its
-physical pages in logical order (rows padded with any valid page index).
+[num_kv_heads, num_pages, page_size, head_dim]; token slot s lives at
+page s // page_size, offset s % page_size. Heads outermost keeps every
+(head, page) block contiguous, so gathering a sequence's pages yields each
+head's keys as one contiguous [tokens, head_dim] run. A sequence's page
+table lists its physical pages in logical order (rows padded with any valid
+page index).
 
 Variable-length batch: the T query tokens of B sequences are concatenated;
 cu_seqlens_q [B+1] delimits them, and context_lens [B] is each sequence's
@@ -15,6 +18,9 @@ position context_lens[b] - q_len[b] + i and attends causally to positions
 """
 
 from __future__ import annotations
+
+import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +61,8 @@ def write_kv(
 ) -> None:
     """Store this step's K/V [T, Hkv, D] into their cache slots."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
 
 
 def paged_attention(
@@ -71,33 +77,65 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D].
 
-    Single-token (decode) rows are gathered into one padded batch; multi-token
-    (prefill chunk) rows run one sequence at a time with a causal offset mask.
+    Single-token (decode) rows are grouped by context length, so padding to
+    the longest row in a group wastes at most ~30%, and each group runs as one
+    padded batch; multi-token (prefill chunk) rows run one sequence at a time.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
-    q_lens = [starts[i + 1] - starts[i] for i in range(len(ctx))]
-    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
-    if decode_rows:
-        rows = torch.tensor(decode_rows, device=q.device)
+    page_size = k_cache.shape[2]
+    decode_rows: list[int] = []
+    for b in range(len(ctx)):
+        q_len = starts[b + 1] - starts[b]
+        if q_len == 1:
+            decode_rows.append(b)
+            continue
+        s = starts[b]
+        out[s : s + q_len] = _attend(
+            q[s : s + q_len].unsqueeze(0), k_cache, v_cache, page_table[b : b + 1], ctx[b : b + 1], scale,
+            sliding_window,
+        ).squeeze(0)
+    for group in _length_groups(decode_rows, ctx, page_size):
+        rows = torch.tensor(group, device=q.device)
         token_idx = cu_seqlens_q[:-1].long()[rows]
         out[token_idx] = _attend(
-            q[token_idx].unsqueeze(1), k_cache, v_cache, page_table[rows], context_lens[rows], scale, sliding_window
+            q[token_idx].unsqueeze(1), k_cache, v_cache, page_table[rows], [ctx[b] for b in group], scale,
+            sliding_window,
         ).squeeze(1)
-    for b, n in enumerate(q_lens):
-        if n > 1:
-            s = starts[b]
-            out[s : s + n] = _attend(
-                q[s : s + n].unsqueeze(0),
-                k_cache,
-                v_cache,
-                page_table[b : b + 1],
-                context_lens[b : b + 1],
-                scale,
-                sliding_window,
-            ).squeeze(0)
     return out
+
+
+def _length_groups(rows: list[int], ctx: list[int], page_size: int, min_fill: float = 0.7) -> list[list[int]]:
+    """Split rows, longest context first, so each row needs at least min_fill
+    of its group's longest page count."""
+    groups: list[list[int]] = []
+    group_pages = 0
+    for b in sorted(rows, key=lambda r: -ctx[r]):
+        pages = -(-ctx[b] // page_size)
+        if not groups or pages < min_fill * group_pages:
+            groups.append([])
+            group_pages = pages
+        groups[-1].append(b)
+    return groups
+
+
+_workspace = threading.local()
+
+
+def _gather_buffer(slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A reusable buffer for gathered pages. Allocating tens of MB per layer
+    would page-fault fresh memory on every call, which costs more on CPU than
+    the copy itself."""
+    key = (slot, like.dtype, like.device)
+    buffers = getattr(_workspace, "buffers", None)
+    if buffers is None:
+        buffers = _workspace.buffers = {}
+    numel = math.prod(shape)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel].view(shape)
 
 
 def _attend(
@@ -105,23 +143,27 @@ def _attend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     page_table: torch.Tensor,
-    context_lens: torch.Tensor,
+    context_lens: list[int],
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """q [B, Lq, Hq, D] (the last Lq positions of each context) -> [B, Lq, Hq, D]."""
     batch, q_len = q.shape[0], q.shape[1]
-    page_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    max_ctx = int(context_lens.max())
-    key_pos = torch.arange(max_ctx, device=q.device)
-    slots = page_table[:, key_pos // page_size].long() * page_size + key_pos % page_size
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
-    values = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
-    ctx = context_lens.long().view(batch, 1, 1)
+    num_kv_heads, page_size, head_dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+    num_pages = -(-max(context_lens) // page_size)
+    pages = page_table[:, :num_pages].reshape(-1).long()
+    shape = (num_kv_heads, batch * num_pages, page_size, head_dim)
+    keys = torch.index_select(k_cache, 1, pages, out=_gather_buffer(0, shape, k_cache))
+    values = torch.index_select(v_cache, 1, pages, out=_gather_buffer(1, shape, v_cache))
+    span = num_pages * page_size
+    keys = keys.view(num_kv_heads, batch, span, head_dim).permute(1, 0, 2, 3)
+    values = values.view(num_kv_heads, batch, span, head_dim).permute(1, 0, 2, 3)
+    key_pos = torch.arange(span, device=q.device).view(1, 1, span)
+    ctx = torch.tensor(context_lens, device=q.device).view(batch, 1, 1)
     query_pos = ctx - q_len + torch.arange(q_len, device=q.device).view(1, q_len, 1)
-    mask = key_pos.view(1, 1, max_ctx) <= query_pos
+    mask = key_pos <= query_pos
     if sliding_window is not None:
-        mask &= key_pos.view(1, 1, max_ctx) > query_pos - sliding_window
+        mask &= key_pos > query_pos - sliding_window
     attn = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask.unsqueeze(1), scale=scale,
         enable_gqa=True,

@@ -1,0 +1,123 @@
+"""Helpers shared by the benchmarks: progress lines, machine description,
+the machine's fp32 matmul rate, latency percentiles and the cached tiny models.
+
+Benchmarks are run as scripts (`python bench/<name>.py`), so this module is
+imported as a sibling, not as part of a package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.tiny_model import make_tiny_model, model_config
+
+BENCH_DIR = Path(__file__).resolve().parent
+MODEL_CACHE = BENCH_DIR / ".models"
+RESULTS_DIR = BENCH_DIR / "results"
+
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One timestamped line on stderr, so a long run is never silent."""
+    print(f"[{time.perf_counter() - _START:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (affinity-aware, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on; the load average tells whether the
+    machine was shared while they were."""
+    import transformers
+
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cores_available": available_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": _memory_gib(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load_average_at_start": load_average(),
+    }
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load: above the thread count means the timings were shared."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def matmul_gflops(sizes: Sequence[int] = (1024, 2048), repeats: int = 5) -> dict[str, Any]:
+    """Best-of fp32 torch.mm rate (GFLOP/s) with the current thread count: the
+    denominator of model FLOP utilization. Best-of, because a busy neighbour can
+    only make a repetition slower."""
+    per_size: dict[str, float] = {}
+    for n in sizes:
+        a = torch.randn(n, n)
+        b = torch.randn(n, n)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        per_size[str(n)] = 2 * n**3 / best / 1e9
+    return {"best_gflops": max(per_size.values()), "gflops_by_size": per_size, "repeats": repeats}
+
+
+def percentiles_ms(values_s: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
+    """p50/p90/p99 of durations given in seconds, in milliseconds (linear interpolation)."""
+    if not values_s:
+        return {f"p{q}": None for q in qs}
+    points = np.percentile(np.asarray(values_s, dtype=np.float64) * 1e3, list(qs))
+    return {f"p{q}": round(float(v), 3) for q, v in zip(qs, points)}
+
+
+def ensure_model(preset: str, family: str = "llama", seed: int = 0, cache_dir: Path = MODEL_CACHE) -> Path:
+    """The model directory for (family, preset, seed), made on first use and
+    remade when tiny_model's config for it has changed since."""
+    out = cache_dir / f"{family}-{preset}-seed{seed}"
+    expected = model_config(family, preset)
+    config_path = out / "config.json"
+    has_weights = any(out.glob("*.safetensors"))
+    if has_weights and config_path.exists() and json.loads(config_path.read_text()) == expected:
+        return out
+    progress(f"making {family}/{preset} model in {out}")
+    return make_tiny_model(out, family, preset, seed=seed)
