@@ -45,7 +45,7 @@ import argparse
 import gc
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from bench_common import (
     progress,
 )
 from engine import Generator, Tokenizer
-from engine.tiny_model import count_parameters
+from engine.tiny_model import PRESETS, count_parameters
 from engine_profile import profile_engine
 from throughput_report import markdown_table, plot
 from throughput_runners import (
@@ -89,6 +89,16 @@ FLOPS_FORMULA = (
     "(attention QK^T and PV at context length t, causal, no padding). "
     "MFU = useful_flops / wall_s / (best fp32 torch.mm FLOP/s on this machine in this run)."
 )
+TIMING_METHOD = {
+    "start": "time.perf_counter() just before the first request is submitted; all requests arrive at once",
+    "engine": "a token's time is when the iterate() call that produced it returns",
+    "hf-padded": "batches run one after another; a streamer's put() timestamps each decoding step of the batch, "
+                 "so TTFT = when the request's batch has its first token, ITL = the batch's step gaps",
+    "hf-cb": "the manager's record_timestamps (perf_counter as each token is appended, in its generation thread)",
+    "wall": "from start until the last token of the last request is available",
+    "ttft": "first token time - start, per request; p50/p90/p99 over requests",
+    "itl": "gaps between consecutive tokens of a request, pooled over all requests; p50/p90/p99",
+}
 FULL_WORKLOAD = WorkloadSpec(num_requests=64, prompt_len=(16, 512), new_tokens=(16, 256))
 QUICK_WORKLOAD = WorkloadSpec(num_requests=8, prompt_len=(16, 64), new_tokens=(8, 32))
 WARMUP_WORKLOAD = WorkloadSpec(num_requests=2, prompt_len=(8, 16), new_tokens=(4, 4), seed=1)
@@ -105,29 +115,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="smoke run: 8 requests, prompts 16-64, 8-32 new tokens, tiny model only, padded batch sizes 4,8; "
              "writes engine_throughput_quick.{json,png}",
     )
-    parser.add_argument("--models", default=None, help=f"comma-separated presets (default {','.join(MODELS)}; tiny with --quick)")
+    parser.add_argument(
+        "--models", default=None,
+        help=f"comma-separated llama presets out of {','.join(PRESETS)} "
+             f"(default {','.join(MODELS)}; tiny with --quick)",
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
-    parser.add_argument("--threads", type=int, default=available_cores(), help="torch threads for every system (default: all cores)")
-    parser.add_argument("--page-size", type=int, default=16, help="KV page size, engine and transformers CB (default 16)")
+    parser.add_argument(
+        "--threads", type=int, default=available_cores(), help="torch threads for every system (default: all cores)"
+    )
+    parser.add_argument(
+        "--page-size", type=int, default=16, help="KV page size, engine and transformers CB (default 16)"
+    )
     parser.add_argument(
         "--chunk-size", type=int, default=2048,
         help="tokens per step: engine max_chunk_size and CB max_batch_tokens (default 2048)",
     )
-    parser.add_argument("--batch-sizes", default=None, help="padded generate batch sizes (default 16,64; 4,8 with --quick)")
+    parser.add_argument(
+        "--batch-sizes", default=None, help="padded generate batch sizes (default 16,64; 4,8 with --quick)"
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler breakdown of engine steps")
     args = parser.parse_args(argv)
-    args.models = _split(args.models or ("tiny" if args.quick else ",".join(MODELS)), MODELS, "--models")
-    args.systems = _split(args.systems, SYSTEMS, "--systems")
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("4,8" if args.quick else "16,64")).split(",")]
+    args.models = _split(parser, "--models", args.models or ("tiny" if args.quick else ",".join(MODELS)), PRESETS)
+    args.systems = _split(parser, "--systems", args.systems, SYSTEMS)
+    sizes = args.batch_sizes or ("4,8" if args.quick else "16,64")
+    if not all(part.strip().isdigit() and int(part) > 0 for part in sizes.split(",")):
+        parser.error(f"--batch-sizes: expected comma-separated positive integers, got {sizes!r}")
+    args.batch_sizes = [int(part) for part in sizes.split(",")]
     return args
 
 
-def _split(value: str, allowed: Sequence[str], flag: str) -> list[str]:
+def _split(parser: argparse.ArgumentParser, flag: str, value: str, allowed: Iterable[str]) -> list[str]:
+    allowed = list(allowed)
     items = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in items if v not in allowed]
-    if unknown or not items:
-        raise SystemExit(f"{flag}: expected a comma-separated subset of {','.join(allowed)}, got {value!r}")
+    if not items or any(v not in allowed for v in items):
+        parser.error(f"{flag}: expected a comma-separated subset of {','.join(allowed)}, got {value!r}")
     return items
 
 
@@ -209,6 +232,8 @@ def _log_run(model: str, name: str, summary: dict[str, Any]) -> None:
 def bench_engine(
     path: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace
 ) -> tuple[Trace, dict[str, Any] | None]:
+    """The engine with a cache that holds every request at full length, so no
+    preemption, and a batch as wide as the workload; then its step profile."""
     cache_tokens = pages_needed(requests, args.page_size) * args.page_size
     gen = Generator.from_pretrained(
         path, cache_tokens=cache_tokens, page_size=args.page_size,
@@ -217,7 +242,8 @@ def bench_engine(
     run_engine(gen, warmup)
     trace = run_engine(gen, requests)
     trace.details.update(
-        cache_tokens=cache_tokens, page_size=args.page_size, max_batch_size=len(requests), max_chunk_size=args.chunk_size
+        cache_tokens=cache_tokens, page_size=args.page_size,
+        max_batch_size=len(requests), max_chunk_size=args.chunk_size,
     )
     profile = None
     if not args.no_profile:
@@ -272,6 +298,7 @@ def bench_transformers(
 
 
 def bench_model(preset: str, spec: WorkloadSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Every selected system on one model, the same requests for all, then token agreement."""
     path = ensure_model(preset)
     config = json.loads((path / "config.json").read_text())
     tokenizer = Tokenizer.from_dir(path)
@@ -293,8 +320,10 @@ def bench_model(preset: str, spec: WorkloadSpec, args: argparse.Namespace) -> di
         },
         "systems": {},
     }
-    progress(f"{preset}: {result['parameters'] / 1e6:.1f}M parameters, {len(requests)} requests, "
-             f"{sum(map(len, (r.prompt for r in requests)))} prompt + {sum(r.max_new_tokens for r in requests)} new tokens")
+    progress(
+        f"{preset}: {result['parameters'] / 1e6:.1f}M parameters, {len(requests)} requests, "
+        f"{sum(len(r.prompt) for r in requests)} prompt + {sum(r.max_new_tokens for r in requests)} new tokens"
+    )
 
     def score(trace: Trace) -> dict[str, Any]:
         return summarize(trace, requests, flops)
@@ -316,7 +345,9 @@ def bench_model(preset: str, spec: WorkloadSpec, args: argparse.Namespace) -> di
         gc.collect()
     if "engine" in traces:
         result["correctness_vs_engine"] = {
-            name: compare_tokens(traces["engine"].tokens, trace.tokens) for name, trace in traces.items() if name != "engine"
+            name: compare_tokens(traces["engine"].tokens, trace.tokens)
+            for name, trace in traces.items()
+            if name != "engine"
         }
         for name, check in result["correctness_vs_engine"].items():
             progress(f"{preset} engine vs {name}: {check['identical_requests']}/{check['requests']} identical")
@@ -350,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "greedy": True,
             "eos": "ignored (engine: stop_conditions=[]; transformers: eos_token_id=vocab_size, unreachable)",
         },
+        "timing_method": TIMING_METHOD,
         "flops_formula": FLOPS_FORMULA,
     }
     _warn_if_busy(args.threads)

@@ -68,7 +68,8 @@ def markdown_table(results: dict[str, Any]) -> str:
     lines.append(
         f"{machine['cpu_model']}, {machine['torch_threads']} threads, fp32, torch {machine['torch']}, "
         f"transformers {machine['transformers']}; fp32 matmul peak {results['matmul_peak']['best_gflops']:.1f} "
-        f"GFLOP/s; {results['settings']['num_requests']} requests, {machine['date']}."
+        f"GFLOP/s; {results['settings']['num_requests']} requests; load average at start "
+        f"{machine['load_average_at_start'][0] if machine['load_average_at_start'] else 'n/a'}; {machine['date']}."
     )
     return "\n".join(lines)
 

@@ -244,4 +244,5 @@ def run_hf_cb(
         "max_requests_per_batch": config.max_requests_per_batch,
         "attn_implementation": model.config._attn_implementation,
     }
-    return Trace(start, end, [list(o.generated_tokens) for o in ordered], [list(o.timestamps) for o in ordered], details)
+    tokens = [list(o.generated_tokens) for o in ordered]
+    return Trace(start, end, tokens, [list(o.timestamps) for o in ordered], details)

@@ -37,9 +37,14 @@ def prompt_lengths(rng: random.Random) -> list[int]:
     return fixed + [rng.randint(2, 90) for _ in range(24 - len(fixed))]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_concurrent_greedy_matches_transformers_one_by_one(family: str, tiny_model_factory: Callable[..., Path]):
-    path = tiny_model_factory(family)
+VARIANTS = [(family, {}) for family in FAMILIES] + [("mistral", {"sliding_window": 12})]
+
+
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS, ids=[*FAMILIES, "mistral-sliding-window"])
+def test_concurrent_greedy_matches_transformers_one_by_one(
+    family: str, overrides: dict, tiny_model_factory: Callable[..., Path]
+):
+    path = tiny_model_factory(family, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     generator = Generator.from_pretrained(path, cache_tokens=4096, page_size=PAGE_SIZE, max_chunk_size=96)
     vocab = generator.model.config.vocab_size
@@ -67,11 +72,11 @@ def test_concurrent_greedy_matches_transformers_one_by_one(family: str, tiny_mod
             assert completions[i] == hf_greedy(hf, prompt, max_new), f"prompt {i} ({len(prompt)} tokens) differs"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_batch_logits_match_transformers(family: str, tiny_model_factory: Callable[..., Path]):
+@pytest.mark.parametrize(("family", "overrides"), VARIANTS, ids=[*FAMILIES, "mistral-sliding-window"])
+def test_mixed_batch_logits_match_transformers(family: str, overrides: dict, tiny_model_factory: Callable[..., Path]):
     """One forward holding decode rows and prefill chunks over scattered pages
     gives each row's last-position logits as transformers' full forward does."""
-    path = tiny_model_factory(family)
+    path = tiny_model_factory(family, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = load_model(path)
     config = model.config

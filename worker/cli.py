@@ -37,7 +37,8 @@ def _demo(args: argparse.Namespace) -> int:
         if args.model:
             print(f"error: {model_dir} has no config.json; pass an HF model directory", file=sys.stderr)
             return 2
-        print(f"making the tiny demo model in {model_dir} ...", file=sys.stderr)
+        print(f"making the tiny demo model in {model_dir} (random weights: expect noise, not prose) ...",
+              file=sys.stderr)
         make_tiny_model(model_dir, family="llama", preset="tiny")
     generator = Generator.from_pretrained(
         model_dir, device=args.device, progress=lambda done, total: print(
