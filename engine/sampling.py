@@ -431,10 +431,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     always belongs to a token with positive probability.
     """
     draws = [torch.rand(1, generator=g, device=g.device) for g in generators]
-    if all(d.device == draws[0].device for d in draws):
-        uniform = torch.cat(draws).to(probs.device)
-    else:
-        uniform = torch.cat([d.to(probs.device) for d in draws])
+    uniform = torch.cat([d.to(probs.device) for d in draws])
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))

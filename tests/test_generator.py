@@ -243,3 +243,24 @@ def test_generate_one_and_many_prompts(llama_dir: Path):
     generator.enqueue(Job([5, 6], 3))
     with pytest.raises(RuntimeError, match="idle generator"):
         generator.generate("busy")
+
+
+def test_decode_special_tokens_controls_whether_special_tokens_reach_the_text(llama_dir: Path):
+    generator = make_generator(llama_dir)
+    im_start = generator.tokenizer.token_to_id("<|im_start|>")
+    forced = SamplerSettings(temperature=0, token_bias={im_start: 1000.0})
+    texts = {}
+    for decode in (False, True):
+        generator.enqueue(Job([5, 6, 7], 3, gen_settings=forced, stop_conditions=[], identifier=decode,
+                              decode_special_tokens=decode))
+        texts[decode] = final(run_all(generator)[decode])["full_completion"]
+    assert texts[True] == "<|im_start|>" * 3
+    assert texts[False] == ""
+
+
+def test_cache_is_sized_from_tokens_or_from_a_memory_budget(llama_dir: Path):
+    by_tokens = Generator.from_pretrained(llama_dir, cache_tokens=100, page_size=8)
+    assert by_tokens.pool.num_pages == 13
+    per_page = by_tokens.cache.k[:, :, 0].numel() * 2 * by_tokens.cache.k.element_size()
+    by_memory = Generator.from_pretrained(llama_dir, cache_memory=20 * per_page + 1, page_size=8)
+    assert by_memory.pool.num_pages == 20
