@@ -1,0 +1,406 @@
+"""The wire protocol (producer/protocol.py) and its documentation (docs/protocol.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producer import protocol as p
+from producer.protocol import (
+    GenerationRequest,
+    GenerationResult,
+    ProtocolError,
+    StreamEvent,
+    Timings,
+    Usage,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "protocol.md"
+
+
+def problems(payload: Any) -> str:
+    with pytest.raises(ProtocolError) as info:
+        GenerationRequest.parse_payload(payload)
+    return str(info.value)
+
+
+# (payload, substrings the message must contain: the field, and the limit where there is one)
+INVALID: dict[str, tuple[Any, list[str]]] = {
+    "unknown field": ({"prompt": "x", "temprature": 0.5}, ["temprature: unknown field", "allowed: prompt"]),
+    "unknown sampling field": ({"prompt": "x", "sampling": {"topk": 5}}, ["sampling.topk: unknown field"]),
+    "no input": ({"max_new_tokens": 5}, ["prompt|messages|input_ids", "exactly one", "got none"]),
+    "two inputs": ({"prompt": "x", "input_ids": [1]}, ["prompt|messages|input_ids", "got 2: prompt, input_ids"]),
+    "three inputs": (
+        {"prompt": "x", "messages": [{"role": "user", "content": "y"}], "input_ids": [1]},
+        ["got 3: prompt, messages, input_ids"],
+    ),
+    "empty prompt": ({"prompt": ""}, ["prompt:", "at least 1 character"]),
+    "empty input_ids": ({"input_ids": []}, ["input_ids:", "at least 1 item"]),
+    "max_new_tokens 0": ({"prompt": "x", "max_new_tokens": 0}, ["max_new_tokens:", "greater than or equal to 1"]),
+    "max_new_tokens too large": (
+        {"prompt": "x", "max_new_tokens": p.MAX_NEW_TOKENS + 1},
+        ["max_new_tokens:", f"less than or equal to {p.MAX_NEW_TOKENS}"],
+    ),
+    "min above max": ({"prompt": "x", "max_new_tokens": 8, "min_new_tokens": 9}, ["min_new_tokens:", "<= max_new_tokens (8)"]),
+    "negative temperature": ({"prompt": "x", "sampling": {"temperature": -0.1}}, ["sampling.temperature:", "0"]),
+    "temperature too high": ({"prompt": "x", "sampling": {"temperature": 2.5}}, ["sampling.temperature:", "equal to 2"]),
+    "top_p 0": ({"prompt": "x", "sampling": {"top_p": 0}}, ["sampling.top_p:", "greater than 0"]),
+    "top_p above 1": ({"prompt": "x", "sampling": {"top_p": 1.01}}, ["sampling.top_p:", "less than or equal to 1"]),
+    "negative top_k": ({"prompt": "x", "sampling": {"top_k": -1}}, ["sampling.top_k:", "greater than or equal to 0"]),
+    "repetition_penalty 0": ({"prompt": "x", "sampling": {"repetition_penalty": 0}}, ["sampling.repetition_penalty:"]),
+    "presence_penalty too big": ({"prompt": "x", "sampling": {"presence_penalty": 3}}, ["sampling.presence_penalty:", "2"]),
+    "seed too big": ({"prompt": "x", "sampling": {"seed": 2**63}}, ["sampling.seed:", str(2**63 - 1)]),
+    "NaN": ({"prompt": "x", "sampling": {"min_p": float("nan")}}, ["sampling.min_p:", "finite"]),
+    "bad identifier chars": ({"prompt": "x", "identifier": "a b/c"}, ["identifier:", "A-Z a-z 0-9", "'a b/c'"]),
+    "identifier starting with a dash": ({"prompt": "x", "identifier": "-abc"}, ["identifier:", "starting with"]),
+    "identifier with a newline": ({"prompt": "x", "identifier": "abc\n"}, ["identifier:"]),
+    "identifier too long": ({"prompt": "x", "identifier": "a" * 129}, ["identifier:", "at most 128 characters", "got 129"]),
+    "too many stop strings": ({"prompt": "x", "stop": ["s"] * 17}, ["stop:", "at most 16 items", "got 17"]),
+    "over-long stop string": ({"prompt": "x", "stop": ["ok", "s" * 257]}, ["stop[1]:", "at most 256 characters", "got 257"]),
+    "empty stop string": ({"prompt": "x", "stop": [""]}, ["stop[0]:", "at least 1 character"]),
+    "too many stop token ids": ({"prompt": "x", "stop_token_ids": list(range(65))}, ["stop_token_ids:", "at most 64", "got 65"]),
+    "negative token id": ({"input_ids": [5, -1]}, ["input_ids[1]:", "greater than or equal to 0"]),
+    "huge token id": ({"input_ids": [2**31]}, ["input_ids[0]:", str(2**31 - 1)]),
+    "too many input ids": ({"input_ids": [1] * (p.MAX_INPUT_IDS + 1)}, ["input_ids:", f"at most {p.MAX_INPUT_IDS}"]),
+    "string for a number": ({"prompt": "x", "max_new_tokens": "16"}, ["max_new_tokens:", "valid integer", "string '16'"]),
+    "string for a float": ({"prompt": "x", "sampling": {"temperature": "0.5"}}, ["sampling.temperature:", "valid number"]),
+    "bool for a number": ({"prompt": "x", "max_new_tokens": True}, ["max_new_tokens:", "valid integer", "boolean true"]),
+    "bool for a float": ({"prompt": "x", "timeout_s": False}, ["timeout_s:", "valid number", "boolean false"]),
+    "float for an int": ({"prompt": "x", "max_new_tokens": 16.0}, ["max_new_tokens:", "valid integer"]),
+    "string for a bool": ({"prompt": "x", "ignore_eos": "true"}, ["ignore_eos:", "valid boolean"]),
+    "token_bias non-integer key": ({"prompt": "x", "sampling": {"token_bias": {"abc": 1}}}, ["sampling.token_bias:", "'abc'", "not a token id"]),
+    "token_bias negative key": ({"prompt": "x", "sampling": {"token_bias": {"-3": 1}}}, ["sampling.token_bias[-3] (key):", "0"]),
+    "token_bias value": ({"prompt": "x", "sampling": {"token_bias": {"3": 101}}}, ["sampling.token_bias[3]:", "100"]),
+    "token_bias too many": (
+        {"prompt": "x", "sampling": {"token_bias": {str(i): 1 for i in range(301)}}},
+        ["sampling.token_bias:", "at most 300 items", "got 301"],
+    ),
+    "too many banned ids": (
+        {"prompt": "x", "sampling": {"banned_token_ids": list(range(1025))}},
+        ["sampling.banned_token_ids:", "at most 1024"],
+    ),
+    "priority 10": ({"prompt": "x", "priority": 10}, ["priority:", "less than or equal to 9"]),
+    "negative priority": ({"prompt": "x", "priority": -1}, ["priority:", "greater than or equal to 0"]),
+    "deadline and timeout": ({"prompt": "x", "deadline": 2e9, "timeout_s": 10}, ["deadline|timeout_s:", "not both"]),
+    "deadline in milliseconds": ({"prompt": "x", "deadline": 1.7e12}, ["deadline:", "253402300799"]),
+    "timeout 0": ({"prompt": "x", "timeout_s": 0}, ["timeout_s:", "greater than 0"]),
+    "timeout too long": ({"prompt": "x", "timeout_s": 86401}, ["timeout_s:", "86400"]),
+    "bad message role": ({"messages": [{"role": "robot", "content": "hi"}]}, ["messages[0].role:", "'user'", "'robot'"]),
+    "message without content": ({"messages": [{"role": "user"}]}, ["messages[0].content:", "required"]),
+    "unknown message field": ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, ["messages[0].name: unknown field", "allowed: role, content"]),
+    "too many messages": ({"messages": [{"role": "user", "content": "x"}] * 513}, ["messages:", "at most 512", "got 513"]),
+    "messages too long in all": (
+        {"messages": [{"role": "user", "content": "x" * 600_000}] * 2},
+        ["messages:", f"at most {p.MAX_PROMPT_CHARS} characters", "got 1200000"],
+    ),
+    "metadata too many keys": ({"prompt": "x", "metadata": {str(i): "v" for i in range(17)}}, ["metadata:", "at most 16", "got 17"]),
+    "metadata value too long": ({"prompt": "x", "metadata": {"k": "v" * 1025}}, ["metadata.k:", "at most 1024 characters"]),
+    "metadata non-string value": ({"prompt": "x", "metadata": {"k": 1}}, ["metadata.k:", "valid string"]),
+    "stream option type": ({"prompt": "x", "stream": {"enabled": 1}}, ["stream.enabled:", "valid boolean"]),
+    "sampling not an object": ({"prompt": "x", "sampling": [0.5]}, ["sampling:", "array"]),
+    "payload not an object": (["x"], ["request:", "object of keyword arguments"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_invalid_request_is_rejected_with_a_message_naming_the_field_and_limit(case: str):
+    payload, expected = INVALID[case]
+    message = problems(payload)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    assert all(re.match(r"^[\w.\[\]|()\- ]+: \S", line) for line in message.splitlines()), message
+
+
+def test_every_problem_is_listed_at_once_one_per_line():
+    message = problems({
+        "prompt": "x",
+        "input_ids": [1],
+        "max_new_tokens": 0,
+        "sampling": {"temperature": 9, "top_p": 0},
+        "identifier": "bad id",
+        "deadline": 2e9,
+        "timeout_s": 1,
+        "extra": 1,
+    })
+    lines = message.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "max_new_tokens", "sampling.temperature", "sampling.top_p", "identifier", "extra",
+        "prompt|messages|input_ids", "deadline|timeout_s",
+    ]
+
+
+def test_protocol_error_is_a_value_error_that_survives_being_rebuilt_from_its_message():
+    with pytest.raises(ValueError) as info:
+        GenerationRequest.parse_payload({"prompt": "", "priority": 10})
+    error = info.value
+    assert isinstance(error, ProtocolError) and len(error.problems) == 2
+    rebuilt = ProtocolError(*error.args)  # how Celery recreates a stored exception
+    assert rebuilt.problems == error.problems and str(rebuilt) == str(error)
+
+
+def test_direct_construction_enforces_the_cross_field_rules_too():
+    with pytest.raises(ValueError, match="exactly one of prompt, messages or input_ids"):
+        GenerationRequest(prompt="x", input_ids=[1])
+    with pytest.raises(ValueError, match="not both"):
+        GenerationRequest(prompt="x", deadline=2e9, timeout_s=1.0)
+
+
+def test_defaults_are_greedy_and_documented_values():
+    request = GenerationRequest.parse_payload({"prompt": "hello"})
+    assert request.max_new_tokens == p.DEFAULT_MAX_NEW_TOKENS == 256
+    assert request.min_new_tokens == 0
+    assert request.sampling.temperature == 0.0 and request.sampling.top_p == 1.0 and request.sampling.top_k == 0
+    assert request.stream.enabled is True and request.stream.include_token_ids is False
+    assert request.identifier is None and request.priority is None and request.add_bos is None
+    assert request.metadata == {} and request.stop == [] and request.stop_token_ids == []
+
+
+def test_limits_are_inclusive():
+    request = GenerationRequest.parse_payload({
+        "input_ids": [0, p.MAX_TOKEN_ID],
+        "max_new_tokens": p.MAX_NEW_TOKENS,
+        "min_new_tokens": p.MAX_NEW_TOKENS,
+        "sampling": {"temperature": 2, "top_p": 1, "min_p": 1, "repetition_penalty": 10,
+                     "frequency_penalty": -2, "presence_penalty": 2, "seed": 2**63 - 1,
+                     "token_bias": {"0": -100, "1": 100}},
+        "stop": ["s" * p.MAX_STOP_STRING_CHARS] * p.MAX_STOP_STRINGS,
+        "identifier": "a" * p.MAX_IDENTIFIER_CHARS,
+        "priority": 0,
+        "timeout_s": p.MAX_TIMEOUT_S,
+        "metadata": {f"k{i}": "v" * p.MAX_METADATA_VALUE_CHARS for i in range(p.MAX_METADATA_KEYS)},
+    })
+    assert request.sampling.temperature == 2.0 and isinstance(request.sampling.temperature, float)
+    assert GenerationRequest.parse_payload({"prompt": "x", "priority": 9}).priority == 9
+
+
+VALID = [
+    {"prompt": "Once upon a time"},
+    {
+        "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                     {"role": "assistant", "content": ""}, {"role": "tool", "content": "{}"}],
+        "max_new_tokens": 64,
+        "min_new_tokens": 4,
+        "sampling": {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.1,
+                     "frequency_penalty": 0.5, "presence_penalty": -0.5, "seed": 12345,
+                     "token_bias": {"17": -100, "42": 2.5}, "banned_token_ids": [3, 4]},
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+        "decode_special_tokens": True,
+        "identifier": "3f0c2a52-1c53-4c1e-9a4b-6f3e2f1d9a10",
+        "priority": 3,
+        "deadline": 1_900_000_000.5,
+        "stream": {"enabled": False, "include_token_ids": True},
+        "metadata": {"tenant": "acme", "callback": "https://example.com/hook"},
+    },
+    {"input_ids": [1, 2, 3], "add_bos": False, "timeout_s": 30, "identifier": "job:42.b_c"},
+]
+
+
+@pytest.mark.parametrize("payload", VALID, ids=["prompt", "messages", "input_ids"])
+def test_valid_requests_round_trip_through_json(payload: dict[str, Any]):
+    request = GenerationRequest.parse_payload(payload)
+    for wire in (request.model_dump(mode="json"), request.to_kwargs()):
+        again = GenerationRequest.parse_payload(json.loads(json.dumps(wire)))
+        assert again == request
+        assert again.model_dump(mode="json") == request.model_dump(mode="json")
+
+
+def test_token_bias_json_keys_become_ints():
+    request = GenerationRequest.parse_payload({"prompt": "x", "sampling": {"token_bias": {"17": -100, "42": 2}}})
+    assert request.sampling.token_bias == {17: -100.0, 42: 2.0}
+    assert all(type(k) is int for k in request.sampling.token_bias)
+    assert request.model_dump(mode="json")["sampling"]["token_bias"] == {"17": -100.0, "42": 2.0}
+    from_python = GenerationRequest.parse_payload({"prompt": "x", "sampling": {"token_bias": {17: -100}}})
+    assert from_python.sampling.token_bias == {17: -100.0}
+
+
+def test_to_kwargs_leaves_defaults_out():
+    request = GenerationRequest.parse_payload({"prompt": "x", "sampling": {"seed": 1}, "identifier": "q1"})
+    assert request.to_kwargs() == {"prompt": "x", "sampling": {"seed": 1}, "identifier": "q1"}
+
+
+def test_ints_are_accepted_for_float_fields():
+    request = GenerationRequest.parse_payload({"prompt": "x", "sampling": {"temperature": 1, "top_p": 1}, "timeout_s": 5})
+    assert request.sampling.temperature == 1.0 and request.timeout_s == 5.0
+
+
+# --- events and results ----------------------------------------------------------
+
+USAGE = Usage(prompt_tokens=31, completion_tokens=7, cached_tokens=16)
+TIMINGS = Timings(queued_s=0.004, prefill_s=0.021, generate_s=0.112)
+
+
+def test_stream_events_round_trip_and_know_when_they_end():
+    events = [
+        StreamEvent(id="q1", seq=0, attempt=1, event="started"),
+        StreamEvent(id="q1", seq=1, attempt=1, event="chunk", text="Two, ", token_ids=[5, 6]),
+        StreamEvent(id="q1", seq=2, attempt=1, event="done", text="Two, three", finish_reason="stop",
+                    usage=USAGE, timings=TIMINGS),
+        StreamEvent(id="q1", seq=0, attempt=2, event="cancelled", finish_reason="cancelled"),
+        StreamEvent(id="q1", seq=1, attempt=2, event="error", finish_reason="error", error="boom"),
+        StreamEvent(id="q1", seq=2, attempt=2, event="done", finish_reason="deadline"),
+    ]
+    for event in events:
+        wire = event.to_json()
+        assert " " not in wire.replace("Two, ", "").replace("Two, three", "")
+        assert "null" not in wire
+        assert StreamEvent.from_json(wire) == event
+        assert StreamEvent.from_json(wire.encode()) == event
+    assert [e.is_terminal for e in events] == [False, False, True, True, True, True]
+
+
+def test_stream_events_match_the_documented_example():
+    wire = ('{"id":"q1","seq":3,"attempt":1,"event":"done","text":"Two, three and five.","finish_reason":"stop",'
+            '"usage":{"prompt_tokens":31,"completion_tokens":7,"cached_tokens":16},'
+            '"timings":{"queued_s":0.004,"prefill_s":0.021,"generate_s":0.112}}')
+    assert wire in DOC.read_text()
+    event = StreamEvent.from_json(wire)
+    assert event.usage == USAGE and event.timings == TIMINGS and event.to_json() == wire
+
+
+def test_stream_event_nulls_and_unknown_fields_from_newer_workers_are_accepted():
+    event = StreamEvent.from_json('{"id":"q1","seq":1,"attempt":1,"event":"chunk","text":"a","token_ids":null,'
+                                  '"finish_reason":null,"usage":null,"timings":null,"error":null,"new_field":1}')
+    assert event.text == "a" and event.token_ids is None
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"event": "chunk", "finish_reason": "stop"}, "only terminal events"),
+    ({"event": "done"}, "a done event needs one of deadline, length, stop"),
+    ({"event": "done", "finish_reason": "cancelled"}, "a done event needs"),
+    ({"event": "cancelled", "finish_reason": "stop"}, "a cancelled event needs one of cancelled"),
+    ({"event": "error", "finish_reason": "error"}, "error: set on error events"),
+    ({"event": "done", "finish_reason": "stop", "error": "x"}, "error: set on error events"),
+    ({"event": "finished"}, "event"),
+    ({"event": "chunk", "seq": -1}, "seq"),
+    ({"event": "chunk", "attempt": 0}, "attempt"),
+    ({"event": "chunk", "seq": "1"}, "seq"),
+    ({"event": "chunk", "id": "bad id"}, "id"),
+])
+def test_inconsistent_stream_events_are_rejected(fields: dict[str, Any], fragment: str):
+    data = {"id": "q1", "seq": 0, "attempt": 1, **fields}
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        StreamEvent.model_validate(data)
+
+
+def test_generation_result_round_trips_through_a_dict():
+    result = GenerationResult(id="q1", attempt=2, text="Two, three", token_ids=[5, 6, 7, 2], finish_reason="length",
+                              usage=USAGE, timings=TIMINGS, metadata={"tenant": "acme"})
+    data = result.to_dict()
+    assert data["usage"] == {"prompt_tokens": 31, "completion_tokens": 7, "cached_tokens": 16}
+    assert GenerationResult.from_dict(data) == result
+    assert GenerationResult.from_dict(json.loads(json.dumps(data))) == result
+
+
+def test_a_result_never_carries_an_error():
+    with pytest.raises(ValueError, match="FAILURE"):
+        GenerationResult(id="q1", attempt=1, text="", finish_reason="error", usage=USAGE, timings=TIMINGS)
+
+
+def test_finish_reasons_map_from_the_engine_eos_reasons():
+    assert p.finish_reason_from_eos("stop_token") == "stop"
+    assert p.finish_reason_from_eos("stop_string") == "stop"
+    assert p.finish_reason_from_eos("max_new_tokens") == "length"
+    assert p.finish_reason_from_eos("cancelled") == "cancelled"
+    with pytest.raises(ValueError, match="unknown engine eos_reason 'banana'"):
+        p.finish_reason_from_eos("banana")
+
+
+def test_the_mapping_covers_every_eos_reason_the_engine_produces():
+    source = (ROOT / "engine" / "generator.py").read_text()
+    produced = set(re.findall(r'self\._finish\([^)]*?"(\w+)"', source))
+    produced |= set(re.findall(r'_final_result\([^)]*?"(\w+)"\)', source))
+    assert produced and produced <= set(p.EOS_REASON_TO_FINISH_REASON), produced
+
+
+# --- names -----------------------------------------------------------------------
+
+
+def test_redis_names_share_one_prefix():
+    assert p.channel_name("q1") == "genq:chan:q1"
+    assert p.stream_key("q1") == "genq:events:q1"
+    assert p.cancel_key("q1") == "genq:cancel:q1"
+    assert p.control_channel() == "genq:control" == p.CONTROL_CHANNEL()
+    assert p.channel_name("a:b.c-d_e", prefix="prod.llama") == "prod.llama:chan:a:b.c-d_e"
+    assert p.stream_key("q1", "x") == "x:events:q1" and p.cancel_key("q1", "x") == "x:cancel:q1"
+    assert p.control_channel("x") == "x:control"
+
+
+def test_cancel_message_is_the_documented_json():
+    assert json.loads(p.cancel_message("q1")) == {"cancel": "q1"}
+    assert p.ControlMessage.model_validate_json('{"cancel": "q1"}').cancel == "q1"
+    doc = DOC.read_text()
+    assert 'SET {prefix}:cancel:{id} "1" EX 3600' in doc
+    assert "PUBLISH {prefix}:control '{\"cancel\": \"<id>\"}'" in doc
+    assert p.CANCEL_KEY_VALUE == "1" and p.CANCEL_KEY_TTL_S == 3600
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "a/b", "-a", "a" * 129, "ü", "a\n", None, 5])
+@pytest.mark.parametrize("helper", [p.channel_name, p.stream_key, p.cancel_key])
+def test_name_helpers_reject_bad_identifiers(helper, bad):
+    with pytest.raises(ProtocolError, match="^identifier: must match"):
+        helper(bad)
+
+
+@pytest.mark.parametrize("helper", [p.channel_name, p.stream_key, p.cancel_key])
+def test_name_helpers_reject_bad_prefixes(helper):
+    with pytest.raises(ProtocolError, match="^prefix: must match"):
+        helper("q1", prefix="bad prefix")
+    with pytest.raises(ProtocolError, match="^prefix: must match"):
+        p.control_channel("")
+    with pytest.raises(ProtocolError, match="^identifier: must match"):
+        p.cancel_message("a b")
+
+
+# --- constants and docs ------------------------------------------------------------
+
+
+def test_constants():
+    assert (p.TASK_NAME, p.DEFAULT_QUEUE, p.DEFAULT_KEY_PREFIX, p.PROTOCOL_VERSION) == (
+        "genq.generate", "genq", "genq", 1)
+    assert (p.MIN_PRIORITY, p.MAX_PRIORITY) == (0, 9)
+    assert set(p.__all__) <= set(dir(p))
+
+
+def test_protocol_imports_without_torch_numpy_or_the_rest_of_genq():
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'numpy', 'engine', 'kernels', 'worker', 'triton', 'celery', 'redis'):\n"
+        "    sys.modules[name] = None\n"
+        "import producer.protocol\n"
+        "mods = {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
+        "assert not mods & {'torch', 'numpy', 'engine', 'kernels', 'worker'}, mods\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_documented_python_example_compiles():
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert len(blocks) == 1
+    source = blocks[0]
+    compile(source, "docs/protocol.md", "exec")
+    imported = {m for m in re.findall(r"^(?:import|from) (\w+)", source, flags=re.M)}
+    assert imported <= {"json", "time", "uuid", "redis", "celery"}, imported
+    assert '"genq.generate"' in source and 'f"{PREFIX}:chan:{request_id}"' in source
+
+
+def test_the_docs_state_every_limit():
+    doc = DOC.read_text()
+    for number in ("1,000,000", "512", "131,072", "32,768", "256", "16", "64", "300", "1,024", "86400",
+                   "253402300799", p.IDENTIFIER_PATTERN):
+        assert number in doc, number
+    for field in GenerationRequest.model_fields:
+        assert f"| `{field}` |" in doc, field
+    for model in (p.SamplingParams, p.StreamOptions, p.ChatMessage, GenerationResult):
+        for field in model.model_fields:
+            assert f"| `{field}` |" in doc, (model.__name__, field)
+    for field in StreamEvent.model_fields:
+        assert f"| `{field}` |" in doc, field
