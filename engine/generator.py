@@ -107,7 +107,7 @@ class Generator:
         cls,
         path: str | Path,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         cache_tokens: int | None = None,
         page_size: int | None = None,
         cache_memory: int | None = None,

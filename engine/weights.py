@@ -48,13 +48,18 @@ def checkpoint_files(path: Path) -> list[Path]:
 def load_model(
     path: str | Path,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> CausalLM:
     """Build the model for config.json without initialising weights (meta
-    device), then fill it from the checkpoint. dtype None means config.json's."""
+    device), then fill it from the checkpoint. dtype None means config.json's;
+    a name ("bfloat16") works too."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        dtype = _DTYPES[dtype]
     dtype = dtype or _DTYPES.get(config.torch_dtype, torch.float32)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

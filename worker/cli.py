@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,53 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _apply_settings(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Command-line options win over GENQ_* variables: export them before the
+    Celery app (which reads Settings from the environment) is imported."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None:
+            os.environ[f"GENQ_{name.upper()}"] = str(value)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    _apply_settings(args, WORKER_SETTINGS)
+    from worker.app import app
+
+    settings = app.genq_settings
+    if not settings.model:
+        print("error: no model: pass --model DIR or set GENQ_MODEL", file=sys.stderr)
+        return 2
+    if not (Path(settings.model) / "config.json").is_file():
+        print(f"error: {settings.model} has no config.json; pass a Hugging Face model directory", file=sys.stderr)
+        return 2
+    argv = [
+        "worker",
+        "--pool=threads",
+        f"--concurrency={settings.concurrency}",
+        f"--queues={settings.queue}",
+        "--task-events",
+        f"--loglevel={args.log_level.upper()}",
+    ]
+    if args.hostname:
+        argv.append(f"--hostname={args.hostname}")
+    app.worker_main(argv)
+    return 0
+
+
+def _flower(args: argparse.Namespace) -> int:
+    _apply_settings(args, ("redis_url", "queue"))
+    command = [sys.executable, "-m", "celery", "-A", "worker.app", "flower", f"--port={args.port}",
+               f"--address={args.address}"]
+    os.execvp(command[0], command)
+
+
+WORKER_SETTINGS = (
+    "model", "device", "dtype", "concurrency", "queue", "redis_url", "cache_tokens", "page_size",
+    "max_batch_size", "max_chunk_size", "visibility_timeout_s", "shutdown_grace_s",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genq", description="Queue-fed LLM generation service.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
@@ -93,6 +141,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     demo.set_defaults(func=_demo)
+
+    worker = commands.add_parser(
+        "worker", help="run a GPU (or CPU) worker: Celery threads pool + one engine loop",
+        description="Start a Celery worker that loads the model once, runs ONE engine loop owning the "
+                    "continuous-batching generator, and serves genq.generate tasks from the queue. Every "
+                    "option can also be set as GENQ_<NAME> (e.g. GENQ_REDIS_URL); options win.",
+    )
+    worker.add_argument("--model", help="HF model directory (GENQ_MODEL)")
+    worker.add_argument("--device", help="cpu or cuda[:N] (default cpu)")
+    worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    worker.add_argument("--concurrency", type=int, help="tasks in flight on this worker (default 64)")
+    worker.add_argument("--queue", help="queue to consume; one per model (default genq)")
+    worker.add_argument("--redis-url", dest="redis_url", help="broker + results + streams (GENQ_REDIS_URL)")
+    worker.add_argument("--cache-tokens", dest="cache_tokens", type=int, help="KV cache size in tokens")
+    worker.add_argument("--page-size", dest="page_size", type=int, help="KV cache page size in tokens")
+    worker.add_argument("--max-batch-size", dest="max_batch_size", type=int, help="jobs batched together")
+    worker.add_argument("--max-chunk-size", dest="max_chunk_size", type=int, help="tokens per forward")
+    worker.add_argument("--visibility-timeout", dest="visibility_timeout_s", type=int,
+                        help="seconds before an unacked task is redelivered (default 3600)")
+    worker.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float,
+                        help="seconds a warm shutdown lets in-flight jobs finish before requeueing them")
+    worker.add_argument("--hostname", help="Celery node name (default genq worker's celery@host)")
+    worker.set_defaults(func=_worker)
+
+    flower = commands.add_parser(
+        "flower", help="run Flower against the genq Celery app",
+        description="Start Flower (the Celery monitor) for the genq app. Its /api needs basic auth "
+                    "(FLOWER_BASIC_AUTH=user:pass) or FLOWER_UNAUTHENTICATED_API=true.",
+    )
+    flower.add_argument("--port", type=int, default=5555)
+    flower.add_argument("--address", default="127.0.0.1")
+    flower.add_argument("--redis-url", dest="redis_url", help="broker URL (GENQ_REDIS_URL)")
+    flower.add_argument("--queue", help="queue name (GENQ_QUEUE)")
+    flower.set_defaults(func=_flower)
     return parser
 
 

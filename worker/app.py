@@ -1,0 +1,57 @@
+"""The Celery application, configured from Settings.
+
+`celery -A worker.app ...` (worker, flower, inspect) finds `app` here.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from worker import bootsteps
+from worker.settings import Settings
+
+#: Redis transport priorities: 10 levels, 0 is served first.
+PRIORITY_STEPS = list(range(10))
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings()
+    app = Celery("genq", broker=settings.broker, backend=settings.backend, include=["worker.tasks"])
+    transport_options = {
+        # A task unacked for this long is handed to another worker: it must
+        # exceed the longest generation (acks_late keeps tasks unacked while they run).
+        "visibility_timeout": settings.visibility_timeout_s,
+        # Sweep for abandoned (killed-worker) tasks often enough to honour a short timeout.
+        "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 2)),
+        "unacked_restore_throttle": 1,
+        "priority_steps": PRIORITY_STEPS,
+        "queue_order_strategy": "priority",
+    }
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_track_started=True,
+        result_expires=settings.result_expires_s,
+        result_extended=True,
+        broker_transport_options=transport_options,
+        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+        broker_connection_retry_on_startup=True,
+        task_default_queue=settings.queue,
+        task_routes={"genq.generate": {"queue": settings.queue}},
+        worker_pool="threads",
+        worker_concurrency=settings.concurrency,
+        worker_hijack_root_logger=False,
+    )
+    app.genq_settings = settings
+    bootsteps.install(app)
+    return app
+
+
+app = create_app()

@@ -1,0 +1,46 @@
+"""Turn a validated wire request into an engine Job (on the task thread, so
+tokenization runs in parallel with the engine loop)."""
+
+from __future__ import annotations
+
+from engine import Job, SamplerSettings, Tokenizer
+from producer.protocol import GenerationRequest, ProtocolError
+
+
+def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str) -> Job:
+    if request.prompt is not None:
+        add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
+        input_ids = tokenizer.encode(request.prompt, add_special_tokens=add_bos)
+        if not input_ids:
+            raise ProtocolError(["prompt: encodes to no tokens"])
+    elif request.messages is not None:
+        if tokenizer.chat_template is None:
+            raise ProtocolError(["messages: this model has no chat template; send prompt or input_ids"])
+        input_ids = tokenizer.encode_chat([m.model_dump() for m in request.messages])
+    else:
+        input_ids = list(request.input_ids or ())
+    stops: list[int | str] = [*request.stop, *request.stop_token_ids]
+    if not request.ignore_eos:
+        stops += tokenizer.eos_token_ids
+    sampling = request.sampling
+    settings = SamplerSettings(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        token_bias=dict(sampling.token_bias),
+        banned_token_ids=tuple(sampling.banned_token_ids),
+    )
+    return Job(
+        input_ids,
+        request.max_new_tokens,
+        min_new_tokens=request.min_new_tokens,
+        stop_conditions=stops,
+        gen_settings=settings,
+        identifier=identifier,
+        seed=sampling.seed,
+        decode_special_tokens=request.decode_special_tokens,
+    )

@@ -1,0 +1,305 @@
+"""The engine loop: ONE thread owns the Generator.
+
+Task threads hand it Submissions; between iterate() calls it drains them into
+the generator, applies cancellations and deadlines, then runs one step and
+publishes every event of that step in one Redis pipeline before waking the
+task threads whose jobs finished. Idle, it sleeps on a condition variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine import Generator, Job, JobRejected, QueueFull
+from producer.protocol import (
+    GenerationRequest,
+    GenerationResult,
+    StreamEvent,
+    Timings,
+    Usage,
+    finish_reason_from_eos,
+)
+from worker.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+TOKENS_PER_SECOND_WINDOW_S = 10.0
+
+
+class ShuttingDown(RuntimeError):
+    """The worker stopped taking new jobs; the task is requeued for another worker."""
+
+
+@dataclass
+class Submission:
+    """A validated request on its way through the engine. The task thread
+    waits on `done`; then exactly one of result / error / requeue is set."""
+
+    identifier: str
+    attempt: int
+    job: Job
+    request: GenerationRequest
+    deadline: float | None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult | None = None
+    error: str | None = None
+    requeue: bool = False
+    seq: int = 0
+    expired: bool = False
+
+    def event(self, kind: str, **fields: Any) -> StreamEvent:
+        event = StreamEvent(id=self.identifier, seq=self.seq, attempt=self.attempt, event=kind, **fields)
+        self.seq += 1
+        return event
+
+
+@dataclass
+class LoopCounters:
+    steps: int = 0
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    requeued: int = 0
+    peak_active_jobs: int = 0
+    busy_s: float = 0.0
+
+
+class EngineLoop:
+    def __init__(self, generator: Generator, publisher: Publisher) -> None:
+        self.generator = generator
+        self.publisher = publisher
+        self.counters = LoopCounters()
+        self._cond = threading.Condition()
+        self._inbox: list[Submission] = []
+        self._cancels: set[str] = set()
+        self._active: dict[str, Submission] = {}
+        self._accepting = True
+        self._drain_deadline: float | None = None
+        self._stop = False
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._thread = threading.Thread(target=self._run, name="genq-engine-loop", daemon=True)
+
+    # -- called from other threads -------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, submission: Submission) -> None:
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the worker is shutting down")
+            self._inbox.append(submission)
+            self.counters.submitted += 1
+            self._cond.notify()
+
+    def cancel(self, identifier: str) -> None:
+        with self._cond:
+            self._cancels.add(identifier)
+            self._cond.notify()
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop accepting jobs; in-flight ones get grace_s to finish, then are requeued."""
+        with self._cond:
+            self._accepting = False
+            self._drain_deadline = time.monotonic() + grace_s
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._accepting = False
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine + loop figures for `celery inspect stats` / Flower."""
+        engine = self.generator.stats
+        now = time.monotonic()
+        recent = [n for t, n in list(self._recent_tokens) if now - t <= TOKENS_PER_SECOND_WINDOW_S]
+        prompt = engine.computed_prompt_tokens
+        return {
+            "active_jobs": engine.active_jobs,
+            "pending_jobs": engine.pending_jobs + len(self._inbox),
+            "pages_total": engine.pages_total,
+            "pages_used": engine.pages_used,
+            "pages_free": engine.pages_free,
+            "pages_cached": 0,
+            "page_size": engine.page_size,
+            "generated_tokens": engine.generated_tokens,
+            "generated_tokens_per_s": round(sum(recent) / TOKENS_PER_SECOND_WINDOW_S, 2),
+            "prompt_tokens_computed": prompt,
+            "prefix_hit_rate": 0.0,
+            "preemptions": engine.preemptions,
+            **asdict(self.counters),
+        }
+
+    # -- the loop thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._cancels or self._active or self._stop):
+                    self._cond.wait()
+                if self._stop and not self._active and not self._inbox:
+                    return
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, set()
+                drain_expired = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
+                stopping = self._stop
+            started = time.monotonic()
+            try:
+                self._step(inbox, cancels, requeue_all=drain_expired or stopping)
+            except Exception as error:  # noqa: BLE001 - one bad step must not take the worker down
+                log.exception("engine step failed; failing its jobs")
+                self._fail_all(f"engine error: {error}")
+            self.counters.busy_s += time.monotonic() - started
+
+    def _step(self, inbox: list[Submission], cancels: set[str], requeue_all: bool) -> None:
+        events: list[StreamEvent] = []
+        finished: list[Submission] = []
+        early_cancels = self.publisher.cancel_requested(s.identifier for s in inbox) | cancels
+        for submission in inbox:
+            self._admit(submission, early_cancels, events, finished)
+        now = time.time()
+        for identifier, submission in self._active.items():
+            if requeue_all:
+                submission.requeue = True
+            elif identifier in cancels:
+                pass
+            elif submission.deadline is not None and now >= submission.deadline:
+                submission.expired = True
+            else:
+                continue
+            self.generator.cancel(submission.job)
+        self.counters.peak_active_jobs = max(self.counters.peak_active_jobs, self.generator.num_active_jobs())
+        results = self.generator.iterate()
+        self.counters.steps += 1
+        generated = 0
+        for result in results:
+            submission = self._active.get(result["identifier"])
+            if submission is None:
+                continue
+            generated += len(result["token_ids"])
+            self._translate(submission, result, events)
+            if result["eos"]:
+                del self._active[submission.identifier]
+                finished.append(submission)
+        if generated:
+            self._recent_tokens.append((time.monotonic(), generated))
+            while self._recent_tokens and time.monotonic() - self._recent_tokens[0][0] > TOKENS_PER_SECOND_WINDOW_S:
+                self._recent_tokens.popleft()
+        self.publisher.publish(events)
+        for submission in finished:
+            submission.done.set()
+
+    def _admit(
+        self, submission: Submission, cancelled: set[str], events: list[StreamEvent], finished: list[Submission]
+    ) -> None:
+        if submission.identifier in self._active:
+            self._reject(submission, f"identifier: {submission.identifier!r} is already generating", events, finished)
+        elif submission.identifier in cancelled:
+            self.counters.cancelled += 1
+            events.append(submission.event("cancelled", finish_reason="cancelled"))
+            submission.result = _empty_result(submission, "cancelled")
+            finished.append(submission)
+        else:
+            try:
+                self.generator.enqueue(submission.job)
+            except (JobRejected, QueueFull) as error:
+                self._reject(submission, str(error), events, finished)
+                return
+            self._active[submission.identifier] = submission
+
+    def _reject(self, submission: Submission, message: str, events: list[StreamEvent], finished: list[Submission]
+                ) -> None:
+        self.counters.failed += 1
+        submission.error = message
+        events.append(submission.event("error", finish_reason="error", error=message))
+        finished.append(submission)
+
+    def _translate(self, submission: Submission, result: dict[str, Any], events: list[StreamEvent]) -> None:
+        """Engine result -> stream events; on eos, also the task's final result."""
+        options = submission.request.stream
+        token_ids = result["token_ids"] if options.include_token_ids else None
+        if result["stage"] == "started":
+            events.append(submission.event("started"))
+            return
+        if options.enabled and (result["text"] or token_ids):
+            events.append(submission.event("chunk", text=result["text"], token_ids=token_ids))
+        if not result["eos"]:
+            return
+        if submission.requeue:
+            self.counters.requeued += 1
+            return
+        reason = result["eos_reason"]
+        if submission.expired:
+            finish_reason, kind = "deadline", "done"
+            self.counters.expired += 1
+        elif reason == "cancelled":
+            finish_reason, kind = "cancelled", "cancelled"
+            self.counters.cancelled += 1
+        else:
+            finish_reason, kind = finish_reason_from_eos(reason), "done"
+            self.counters.completed += 1
+        usage = Usage(
+            prompt_tokens=result["prompt_tokens"],
+            completion_tokens=result["new_tokens"],
+            cached_tokens=result["cached_tokens"],
+        )
+        timings = Timings(
+            queued_s=result["time_enqueued"], prefill_s=result["time_prefill"], generate_s=result["time_generate"]
+        )
+        text = result["full_completion"]
+        events.append(
+            submission.event(
+                kind,
+                text=text,
+                token_ids=result["completion_ids"] if options.include_token_ids else None,
+                finish_reason=finish_reason,
+                usage=usage,
+                timings=timings,
+            )
+        )
+        submission.result = GenerationResult(
+            id=submission.identifier,
+            attempt=submission.attempt,
+            text=text,
+            token_ids=result["completion_ids"],
+            finish_reason=finish_reason,
+            usage=usage,
+            timings=timings,
+            metadata=submission.request.metadata,
+        )
+
+    def _fail_all(self, message: str) -> None:
+        events: list[StreamEvent] = []
+        failed = list(self._active.values())
+        self._active.clear()
+        for submission in failed:
+            self.generator.cancel(submission.job)
+            self._reject(submission, message, events, [])
+        try:
+            self.publisher.publish(events)
+        finally:
+            for submission in failed:
+                submission.done.set()
+
+
+def _empty_result(submission: Submission, finish_reason: str) -> GenerationResult:
+    return GenerationResult(
+        id=submission.identifier,
+        attempt=submission.attempt,
+        text="",
+        finish_reason=finish_reason,
+        usage=Usage(prompt_tokens=len(submission.job.input_ids)),
+        timings=Timings(),
+        metadata=submission.request.metadata,
+    )

@@ -1,0 +1,114 @@
+"""The worker process's engine runtime: model, generator, engine loop,
+publisher and control listener, built once by the EngineStep bootstep and
+shared by every task thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+
+from engine import Generator
+from producer.protocol import ControlMessage, control_channel
+from worker.loop import EngineLoop
+from worker.publisher import Publisher
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    generator: Generator
+    publisher: Publisher
+    loop: EngineLoop
+    control: ControlListener
+
+    @classmethod
+    def start(cls, settings: Settings) -> Runtime:
+        if not settings.model:
+            raise ValueError("no model: pass --model DIR or set GENQ_MODEL")
+        started = time.monotonic()
+        log.info("loading model %s on %s", settings.model, settings.device)
+        generator = Generator.from_pretrained(
+            settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            cache_tokens=settings.cache_tokens,
+            page_size=settings.page_size,
+            progress=lambda done, total: log.info("loading weights: shard %d/%d", done, total),
+            max_batch_size=settings.max_batch_size,
+            max_chunk_size=settings.max_chunk_size,
+            max_pending=max(1024, 4 * settings.concurrency),
+        )
+        client = redis.Redis.from_url(settings.redis_url)
+        publisher = Publisher(client, settings.key_prefix, settings.stream_maxlen, settings.stream_ttl_s)
+        loop = EngineLoop(generator, publisher)
+        loop.start()
+        control = ControlListener(client, settings.key_prefix, loop)
+        control.start()
+        log.info("engine ready in %.1f s: %d cache pages of %d tokens", time.monotonic() - started,
+                 generator.pool.num_pages, generator.page_size)
+        return cls(settings, generator, publisher, loop, control)
+
+    def stop(self) -> None:
+        self.control.stop()
+        self.loop.stop(timeout=self.settings.shutdown_grace_s + 10)
+
+
+class ControlListener:
+    """Subscribes to the control channel and forwards cancellations to the loop."""
+
+    def __init__(self, client: redis.Redis, key_prefix: str, loop: EngineLoop) -> None:
+        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(control_channel(key_prefix))
+        self.loop = loop
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="genq-control", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.pubsub.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self.pubsub.get_message(timeout=1.0)
+            except redis.RedisError:
+                log.exception("control channel: lost Redis, retrying")
+                self._stop.wait(1.0)
+                continue
+            if message is None:
+                continue
+            try:
+                command = ControlMessage.model_validate(json.loads(message["data"]))
+            except ValueError:
+                log.warning("control channel: ignoring malformed message %r", message["data"][:200])
+                continue
+            self.loop.cancel(command.cancel)
+
+
+_runtime: Runtime | None = None
+_ready = threading.Event()
+
+
+def install(runtime: Runtime) -> None:
+    global _runtime
+    _runtime = runtime
+    _ready.set()
+
+
+def current(timeout: float | None = None) -> Runtime:
+    """The process's runtime; tasks that arrive while the model loads wait here."""
+    if not _ready.wait(timeout) or _runtime is None:
+        raise RuntimeError("the engine is not running in this worker process")
+    return _runtime
