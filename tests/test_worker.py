@@ -1,0 +1,206 @@
+"""The worker service end to end: a real redis-server, real `genq worker`
+processes, tasks sent with a plain Celery client."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from engine import Generator
+from producer.control import request_cancel
+from producer.protocol import TASK_NAME, StreamEvent, channel_name
+from tests.conftest import wait_until
+from tests.service import WorkerProcess, chunk_text, next_event, plain_client, replay
+
+QUEUE = "genq-test"
+ENGINE_OPTIONS = {"cache_tokens": 16384, "page_size": 16}
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def client(redis_url: str) -> Celery:
+    return plain_client(redis_url)
+
+
+@pytest.fixture(scope="module")
+def redis_client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture(scope="module")
+def start_worker(
+    model_dir: Path, redis_url: str, client: Celery, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., WorkerProcess]]:
+    started: list[WorkerProcess] = []
+
+    def start(queue: str = QUEUE, **options: Any) -> WorkerProcess:
+        name = f"w{next(_names)}"
+        process = WorkerProcess(model_dir, redis_url, queue, name, tmp_path_factory.mktemp(name) / "worker.log",
+                                {**ENGINE_OPTIONS, "concurrency": 64, **options})
+        started.append(process.start())
+        process.wait_ready(client)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return start_worker()
+
+
+def send(client: Celery, queue: str = QUEUE, **kwargs: Any):
+    return client.send_task(TASK_NAME, kwargs=kwargs, queue=queue)
+
+
+def check_stream(events: list[StreamEvent], final_text: str) -> None:
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events[0].event == "started" and events[-1].is_terminal
+    assert chunk_text(events) == final_text == events[-1].text
+
+
+def test_64_tasks_at_once_complete_in_one_batch_and_match_the_engine_alone(
+    worker: WorkerProcess, client: Celery, redis_client: redis.Redis, model_dir: Path
+):
+    prompts = [f"Request {i}: " + "once upon a time " * (1 + i % 7) for i in range(64)]
+    handles = [send(client, prompt=p, max_new_tokens=24, identifier=f"bulk-{i}") for i, p in enumerate(prompts)]
+    results = [h.get(timeout=300) for h in handles]
+    stats = worker.engine_stats(client)
+    assert stats is not None and stats["peak_active_jobs"] >= 16
+    for i, result in enumerate(results):
+        assert result["id"] == f"bulk-{i}" and result["finish_reason"] in ("stop", "length")
+        check_stream(replay(redis_client, f"bulk-{i}"), result["text"])
+    alone = Generator.from_pretrained(model_dir, **ENGINE_OPTIONS)
+    assert [r["text"] for r in results] == alone.generate(prompts, max_new_tokens=24)
+
+
+def test_late_subscriber_gets_the_whole_stream_without_gap_or_duplicate(
+    worker: WorkerProcess, client: Celery, redis_client: redis.Redis
+):
+    identifier = "late-subscriber"
+    observer = redis_client.pubsub(ignore_subscribe_messages=True)
+    observer.subscribe(channel_name(identifier))
+    handle = send(client, prompt="The weather today", max_new_tokens=300, ignore_eos=True, identifier=identifier)
+    seen_chunks = 0
+    while seen_chunks < 3:
+        seen_chunks += next_event(observer).event == "chunk"
+    # the documented recipe: SUBSCRIBE first, then read the replay stream, then live
+    late = redis_client.pubsub(ignore_subscribe_messages=True)
+    late.subscribe(channel_name(identifier))
+    events = {(e.attempt, e.seq): e for e in replay(redis_client, identifier)}
+    replayed = len(events)
+    while not any(e.is_terminal for e in events.values()):
+        event = next_event(late)
+        events.setdefault((event.attempt, event.seq), event)
+    result = handle.get(timeout=60)
+    assert replayed >= 4 and len(events) > replayed
+    check_stream([events[k] for k in sorted(events)], result["text"])
+
+
+INVALID_REQUESTS: list[tuple[dict[str, Any], str]] = [
+    ({"prompt": "x", "bogus": 1}, "bogus"),
+    ({}, "prompt"),
+    ({"prompt": "x", "input_ids": [5]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": 10**6}, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": 4, "min_new_tokens": 8}, "min_new_tokens"),
+    ({"prompt": "x", "sampling": {"temperature": -1}}, "sampling.temperature"),
+    ({"prompt": "x", "sampling": {"temperature": "hot"}}, "sampling.temperature"),
+    ({"prompt": "x", "sampling": {"top_p": 0}}, "sampling.top_p"),
+    ({"prompt": "x", "sampling": {"token_bias": {"abc": 1.0}}}, "sampling.token_bias"),
+    ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ({"prompt": "x", "stop": ["s" * 300]}, "stop"),
+    ({"input_ids": [5, -1]}, "input_ids"),
+    ({"prompt": "x", "priority": 10}, "priority"),
+    ({"prompt": "x", "deadline": 2e9, "timeout_s": 5}, "deadline"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"prompt": "x", "identifier": "bad id!"}, "identifier"),
+    ({"input_ids": [5, 10**6]}, "vocabulary"),
+    ({"input_ids": [5] * 1100, "max_new_tokens": 8}, "max_seq_len"),
+    ({"prompt": "x", "sampling": {"banned_token_ids": [10**6]}}, "banned_token_ids"),
+]
+
+
+def test_invalid_requests_fail_clearly_while_valid_ones_finish(
+    worker: WorkerProcess, client: Celery, redis_client: redis.Redis
+):
+    bad = []
+    for i, (kwargs, field) in enumerate(INVALID_REQUESTS):
+        kwargs = {"identifier": f"invalid-{i}", **kwargs}
+        bad.append((send(client, **kwargs), kwargs, field))
+    good = [send(client, prompt=f"valid {i}", max_new_tokens=16, identifier=f"valid-{i}") for i in range(4)]
+    for handle, kwargs, field in bad:
+        handle.get(timeout=120, propagate=False)
+        assert handle.state == "FAILURE", kwargs
+        message = str(handle.result)
+        assert field in message, (field, message)
+        stream_id = kwargs["identifier"] if kwargs["identifier"] != "bad id!" else handle.id
+        events = replay(redis_client, stream_id)
+        assert events[-1].event == "error" and field in (events[-1].error or ""), (field, events)
+    for i, handle in enumerate(good):
+        result = handle.get(timeout=120)
+        assert result["usage"]["completion_tokens"] > 0
+        check_stream(replay(redis_client, f"valid-{i}"), result["text"])
+
+
+def test_cancel_before_start_and_mid_stream_frees_every_page(
+    worker: WorkerProcess, client: Celery, redis_client: redis.Redis
+):
+    idle = worker.engine_stats(client)
+    assert idle is not None and idle["pages_used"] == 0
+    request_cancel(redis_client, "cancel-early")
+    early = send(client, prompt="never runs", max_new_tokens=50, identifier="cancel-early")
+    assert early.get(timeout=60)["finish_reason"] == "cancelled"
+    assert [e.event for e in replay(redis_client, "cancel-early")] == ["cancelled"]
+
+    watcher = redis_client.pubsub(ignore_subscribe_messages=True)
+    watcher.subscribe(channel_name("cancel-mid"))
+    mid = send(client, prompt="a long story", max_new_tokens=900, ignore_eos=True, identifier="cancel-mid")
+    while next_event(watcher).event != "chunk":
+        pass
+    request_cancel(redis_client, "cancel-mid")
+    result = mid.get(timeout=60)
+    assert result["finish_reason"] == "cancelled" and 0 < result["usage"]["completion_tokens"] < 900
+    events = replay(redis_client, "cancel-mid")
+    assert events[-1].event == "cancelled"
+    check_stream(events, result["text"])
+    after = worker.engine_stats(client)
+    assert after is not None and after["pages_used"] == 0 and after["active_jobs"] == 0
+
+
+def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
+    start_worker: Callable[..., WorkerProcess], client: Celery, redis_client: redis.Redis
+):
+    queue = "genq-kill"
+    first = start_worker(queue, visibility_timeout=6)
+    handles = [send(client, queue, prompt=f"story {i}", max_new_tokens=600, ignore_eos=True, identifier=f"kill-{i}")
+               for i in range(20)]
+
+    def all_generating() -> bool:
+        stats = first.engine_stats(client)
+        return bool(stats) and stats["active_jobs"] == 20 and stats["generated_tokens"] >= 40
+
+    wait_until(all_generating, 120, "20 jobs generating on the first worker")
+    first.kill()
+    start_worker(queue, visibility_timeout=6)
+    for i, handle in enumerate(handles):
+        result = handle.get(timeout=300)
+        assert result["attempt"] == 2 and result["usage"]["completion_tokens"] == 600
+        events = replay(redis_client, f"kill-{i}")
+        assert {e.attempt for e in events} == {1, 2}
+        second = [e for e in events if e.attempt == 2]
+        check_stream(second, result["text"])
