@@ -47,6 +47,7 @@ class Trace:
     tokens: list[list[int]]
     token_times: list[list[float]]
     details: dict[str, Any] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)  # the completions' text, where the system reports it
 
 
 def make_workload(spec: WorkloadSpec, vocab_size: int, special_ids: frozenset[int]) -> list[Request]:
@@ -70,6 +71,7 @@ def run_engine(gen: Generator, requests: Sequence[Request]) -> Trace:
     """Enqueue everything, then iterate; a token's time is when iterate() hands it over."""
     tokens: list[list[int]] = [[] for _ in requests]
     times: list[list[float]] = [[] for _ in requests]
+    texts = [""] * len(requests)
     before = gen.stats
     start = time.perf_counter()
     for i, request in enumerate(requests):
@@ -82,10 +84,12 @@ def run_engine(gen: Generator, requests: Sequence[Request]) -> Trace:
                 i = result["identifier"]
                 tokens[i].extend(result["token_ids"])
                 times[i].extend([now] * len(result["token_ids"]))
+            if result["eos"]:
+                texts[result["identifier"]] = result["full_completion"]
     end = time.perf_counter()
     after = gen.stats
     details = {"steps": after.steps - before.steps, "preemptions": after.preemptions - before.preemptions}
-    return Trace(start, end, tokens, times, details)
+    return Trace(start, end, tokens, times, details, texts)
 
 
 # -- transformers, padded static batches -----------------------------------

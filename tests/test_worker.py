@@ -4,6 +4,12 @@ processes, tasks sent with a plain Celery client."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,11 +18,11 @@ import pytest
 import redis
 from celery import Celery
 
-from engine import Generator
+from engine import Generator, Job
 from producer.control import request_cancel
 from producer.protocol import TASK_NAME, StreamEvent, channel_name
-from tests.conftest import wait_until
-from tests.service import WorkerProcess, chunk_text, next_event, plain_client, replay
+from tests.conftest import free_port, wait_until
+from tests.service import ROOT, WorkerProcess, chunk_text, next_event, plain_client, replay
 
 QUEUE = "genq-test"
 ENGINE_OPTIONS = {"cache_tokens": 16384, "page_size": 16}
@@ -204,3 +210,111 @@ def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
         assert {e.attempt for e in events} == {1, 2}
         second = [e for e in events if e.attempt == 2]
         check_stream(second, result["text"])
+
+
+def test_flower_api_shows_the_engine_stats_of_a_running_worker(
+    worker: WorkerProcess, redis_url: str, tmp_path: Path
+):
+    port = free_port()
+    log = (tmp_path / "flower.log").open("wb")
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "flower", "--port", str(port), "--redis-url", redis_url],
+        cwd=ROOT, env={**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}, stdout=log, stderr=subprocess.STDOUT,
+    )
+
+    def engine_in_flower() -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/workers?refresh=1", timeout=10) as reply:
+                workers = json.load(reply)
+        except OSError:
+            return None
+        return workers.get(worker.node, {}).get("stats", {}).get("engine")
+
+    try:
+        engine = wait_until(engine_in_flower, 60, "Flower to report the worker's engine stats", interval=0.5)
+    finally:
+        flower.terminate()
+        flower.wait(10)
+        log.close()
+    assert isinstance(engine, dict)
+    assert engine["pages_total"] == ENGINE_OPTIONS["cache_tokens"] // ENGINE_OPTIONS["page_size"]
+    assert {"active_jobs", "pending_jobs", "pages_used", "pages_free", "pages_cached", "generated_tokens_per_s",
+            "prefix_hit_rate", "peak_active_jobs"} <= engine.keys()
+
+
+def wait_generating(worker: WorkerProcess, client: Celery, jobs: int) -> None:
+    def generating() -> bool:
+        stats = worker.engine_stats(client)
+        return bool(stats) and stats["active_jobs"] == jobs and stats["generated_tokens"] >= 2 * jobs
+
+    wait_until(generating, 120, f"{jobs} jobs generating on {worker.node}")
+
+
+def test_warm_shutdown_finishes_in_flight_jobs_and_stops_consuming(
+    start_worker: Callable[..., WorkerProcess], client: Celery, redis_client: redis.Redis
+):
+    queue = "genq-warm"
+    first = start_worker(queue, shutdown_grace=120)
+    running = [send(client, queue, prompt=f"warm {i}", max_new_tokens=300, ignore_eos=True, identifier=f"warm-{i}")
+               for i in range(5)]
+    wait_generating(first, client, 5)
+    first.signal(signal.SIGTERM)
+    later = send(client, queue, prompt="sent during shutdown", max_new_tokens=8, identifier="warm-later")
+    assert first.wait(120) == 0
+    for handle in running:
+        result = handle.get(timeout=10)
+        assert result["attempt"] == 1 and result["usage"]["completion_tokens"] == 300
+    start_worker(queue)
+    # The stopping worker may still have received it, but never generated it: only the next worker's attempt did.
+    result = later.get(timeout=120)
+    events = replay(redis_client, "warm-later")
+    assert {e.attempt for e in events} == {result["attempt"]}
+    check_stream(events, result["text"])
+
+
+def test_warm_shutdown_past_its_grace_requeues_jobs_for_the_next_worker(
+    start_worker: Callable[..., WorkerProcess], client: Celery, redis_client: redis.Redis
+):
+    queue = "genq-requeue"
+    first = start_worker(queue, shutdown_grace=0)
+    handles = [send(client, queue, prompt=f"requeue {i}", max_new_tokens=600, ignore_eos=True,
+                    identifier=f"requeue-{i}") for i in range(5)]
+    wait_generating(first, client, 5)
+    first.signal(signal.SIGTERM)
+    assert first.wait(120) == 0
+    start_worker(queue)
+    for i, handle in enumerate(handles):
+        result = handle.get(timeout=300)
+        assert result["attempt"] == 2 and result["usage"]["completion_tokens"] == 600
+        check_stream([e for e in replay(redis_client, f"requeue-{i}") if e.attempt == 2], result["text"])
+
+
+def test_deadline_ends_a_generation_with_what_it_produced(
+    worker: WorkerProcess, client: Celery, redis_client: redis.Redis
+):
+    handle = send(client, prompt="slowly", max_new_tokens=1000, ignore_eos=True, timeout_s=0.5, identifier="late")
+    result = handle.get(timeout=60)
+    assert result["finish_reason"] == "deadline" and result["usage"]["completion_tokens"] < 1000
+    events = replay(redis_client, "late")
+    assert events[-1].event == "done" and events[-1].finish_reason == "deadline"
+    check_stream(events, result["text"])
+    stats = worker.engine_stats(client)
+    assert stats is not None and stats["pages_used"] == 0
+
+
+def test_chat_messages_are_rendered_with_the_model_chat_template(
+    worker: WorkerProcess, client: Celery, model_dir: Path
+):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    result = send(client, messages=messages, max_new_tokens=12, identifier="chat-1").get(timeout=60)
+    alone = Generator.from_pretrained(model_dir, **ENGINE_OPTIONS)
+    prompt_ids = alone.tokenizer.encode_chat(messages)
+    assert result["usage"]["prompt_tokens"] == len(prompt_ids)
+    alone.enqueue(Job(prompt_ids, 12))
+    final = [r for r in iter_results(alone) if r["eos"]][0]
+    assert result["text"] == final["full_completion"]
+
+
+def iter_results(generator: Generator) -> Iterator[dict[str, Any]]:
+    while generator.num_remaining_jobs():
+        yield from generator.iterate()

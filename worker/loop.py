@@ -82,7 +82,7 @@ class EngineLoop:
         self._active: dict[str, Submission] = {}
         self._accepting = True
         self._drain_deadline: float | None = None
-        self._stop = False
+        self._exit_when_idle = False
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._run, name="genq-engine-loop", daemon=True)
 
@@ -105,19 +105,23 @@ class EngineLoop:
             self._cond.notify()
 
     def begin_shutdown(self, grace_s: float) -> None:
-        """Stop accepting jobs; in-flight ones get grace_s to finish, then are requeued."""
+        """Stop accepting jobs; in-flight ones get grace_s to finish, then are
+        requeued. A second call can only bring the deadline closer."""
         with self._cond:
             self._accepting = False
-            self._drain_deadline = time.monotonic() + grace_s
+            deadline = time.monotonic() + grace_s
+            if self._drain_deadline is None or deadline < self._drain_deadline:
+                self._drain_deadline = deadline
             self._cond.notify()
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, grace_s: float) -> None:
+        """Drain (see begin_shutdown), then end the loop thread."""
+        self.begin_shutdown(grace_s)
         with self._cond:
-            self._accepting = False
-            self._stop = True
+            self._exit_when_idle = True
             self._cond.notify()
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join()
 
     def stats(self) -> dict[str, Any]:
         """Engine + loop figures for `celery inspect stats` / Flower."""
@@ -146,17 +150,16 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._cancels or self._active or self._stop):
+                while not (self._inbox or self._cancels or self._active or self._exit_when_idle):
                     self._cond.wait()
-                if self._stop and not self._active and not self._inbox:
+                if self._exit_when_idle and not self._active and not self._inbox:
                     return
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, set()
                 drain_expired = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
-                stopping = self._stop
             started = time.monotonic()
             try:
-                self._step(inbox, cancels, requeue_all=drain_expired or stopping)
+                self._step(inbox, cancels, requeue_all=drain_expired)
             except Exception as error:  # noqa: BLE001 - one bad step must not take the worker down
                 log.exception("engine step failed; failing its jobs")
                 self._fail_all(f"engine error: {error}")

@@ -57,8 +57,9 @@ class Runtime:
         return cls(settings, generator, publisher, loop, control)
 
     def stop(self) -> None:
+        """Let in-flight jobs finish within the grace period (requeued after it), then stop."""
+        self.loop.stop(self.settings.shutdown_grace_s)
         self.control.stop()
-        self.loop.stop(timeout=self.settings.shutdown_grace_s + 10)
 
 
 class ControlListener:
