@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/genq demo
+	$(VENV)/bin/genq dev
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -106,6 +106,12 @@ def _flower(args: argparse.Namespace) -> int:
     os.execvp(command[0], command)
 
 
+def _dev(args: argparse.Namespace) -> int:
+    from worker.dev import run
+
+    return run(args.model, args.demo_tokens, args.flower_port)
+
+
 WORKER_SETTINGS = (
     "model", "device", "dtype", "concurrency", "queue", "redis_url", "cache_tokens", "page_size",
     "max_batch_size", "max_chunk_size", "visibility_timeout_s", "shutdown_grace_s",
@@ -175,6 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     flower.add_argument("--redis-url", dest="redis_url", help="broker URL (GENQ_REDIS_URL)")
     flower.add_argument("--queue", help="queue name (GENQ_QUEUE)")
     flower.set_defaults(func=_flower)
+
+    dev = commands.add_parser(
+        "dev", help="the whole service on this machine: Redis, worker, Flower, a streamed demo (make run)",
+        description="Start Redis (GENQ_REDIS_URL if set and reachable, else a private redis-server on a free "
+                    "port), make the tiny demo model unless --model is given, start a worker and Flower, send "
+                    "one demo request and stream it to the terminal, then keep serving until Ctrl-C, which "
+                    "stops everything it started.",
+    )
+    dev.add_argument("--model", help="HF model directory (default: the tiny demo model in .models/tiny-llama)")
+    dev.add_argument("--demo-tokens", dest="demo_tokens", type=int, default=48, help="tokens in the demo request")
+    dev.add_argument("--flower-port", dest="flower_port", type=int, help="default: a free port")
+    dev.set_defaults(func=_dev)
     return parser
 
 

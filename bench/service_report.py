@@ -1,0 +1,99 @@
+"""Turns the service_overhead results dict into the PNG and the markdown table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+PATHS = {"engine": "engine alone (in-process)", "service": "service (Celery + Redis + worker)"}
+_COLORS = {"engine": "tab:blue", "service": "tab:orange"}
+
+
+def _pair(values: dict[str, float | None], digits: int, sign: bool = False) -> str:
+    fmt = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
+    return " / ".join("n/a" if values[p] is None else fmt.format(values[p]) for p in ("p50", "p99"))
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """The table the README quotes: per model, both paths and their difference."""
+    lines = [
+        "| model | path | generated tok/s | first chunk p50 / p99, all at once (ms) "
+        "| first chunk p50 / p99, one at a time (ms) | outputs equal to the engine's |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for model, result in results["models"].items():
+        label = f"{model} ({result['parameters'] / 1e6:.1f}M)"
+        singles = result["single_requests"]
+        for path in ("engine", "service"):
+            run = result[path]
+            equal = ""
+            if path == "service":
+                check = result["correctness"]
+                equal = f"{check['texts_equal']}/{check['requests']} texts, {check['tokens_equal']} token lists"
+            lines.append(
+                f"| {label} | {PATHS[path]} | {run['generated_tok_s']:.1f} | {_pair(run['first_chunk_ms'], 0)} "
+                f"| {_pair(singles[path + '_ms'], 1)} | {equal} |"
+            )
+        overhead = result["overhead"]
+        lines.append(
+            f"| {label} | service - engine | x{overhead['throughput_ratio']:.3f} "
+            f"| {_pair(overhead['added_first_chunk_ms'], 0, sign=True)} "
+            f"| {_pair(singles['added_ms'], 1, sign=True)} (paired median {singles['paired_added_median_ms']:+.1f}) | |"
+        )
+    machine = results["machine"]
+    settings = results["settings"]
+    load = machine["load_average_at_start"]
+    lines.append("")
+    lines.append(
+        f"{machine['cpu_model']}, {settings['threads']} torch threads (both paths), fp32, torch {machine['torch']}, "
+        f"celery {machine['celery']}, redis-server {machine['redis_server']}; {settings['num_requests']} requests "
+        f"at once, {settings['single_requests']} single requests of {settings['single_max_new_tokens']} tokens; "
+        f"load average at start {load[0] if load else 'n/a'}; {machine['date']}."
+    )
+    return "\n".join(lines)
+
+
+def _bars(ax: plt.Axes, results: dict[str, Any], value: Any, with_p99: bool) -> list[Any]:
+    """One bar per (model, path); value(model_result, path) gives a number or
+    a percentile dict (bar p50, cross p99)."""
+    models = list(results["models"])
+    width = 0.38
+    containers = []
+    for k, path in enumerate(PATHS):
+        xs = [i + (k - 0.5) * width for i in range(len(models))]
+        values = [value(results["models"][m], path) for m in models]
+        heights = [v["p50"] or 0.0 for v in values] if with_p99 else values
+        containers.append(ax.bar(xs, heights, width, label=PATHS[path], color=_COLORS[path]))
+        if with_p99:
+            ax.scatter(xs, [v["p99"] or 0.0 for v in values], marker="x", color="black", s=20, zorder=3)
+    ax.set_xticks(range(len(models)), models)
+    return containers
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5))
+    for container in _bars(axes[0], results, lambda m, p: m[p]["generated_tok_s"], with_p99=False):
+        axes[0].bar_label(container, fmt="%.0f", fontsize=8)
+    axes[0].set_title("generated tokens/s, all requests at once")
+    _bars(axes[1], results, lambda m, p: m[p]["first_chunk_ms"], with_p99=True)
+    axes[1].set_title("first chunk, all at once: ms from submit (bar p50, x p99)")
+    for container in _bars(axes[2], results, lambda m, p: m["single_requests"][f"{p}_ms"], with_p99=True):
+        axes[2].bar_label(container, fmt="%.1f", fontsize=8)
+    axes[2].set_title("first chunk, one request at a time: ms (bar p50, x p99)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    machine = results["machine"]
+    settings = results["settings"]
+    fig.suptitle(
+        f"service overhead: {settings['num_requests']} requests, greedy, fp32 - {machine['cpu_model']}, "
+        f"{settings['threads']} threads - {machine['date']}",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
