@@ -20,7 +20,7 @@ from celery import Celery
 
 from engine import Generator, Job
 from producer.control import request_cancel
-from producer.protocol import TASK_NAME, StreamEvent, channel_name
+from producer.protocol import TASK_NAME, StreamEvent, channel_name, stream_key
 from tests.conftest import free_port, wait_until
 from tests.service import ROOT, WorkerProcess, chunk_text, next_event, plain_client, replay
 
@@ -318,3 +318,16 @@ def test_chat_messages_are_rendered_with_the_model_chat_template(
 def iter_results(generator: Generator) -> Iterator[dict[str, Any]]:
     while generator.num_remaining_jobs():
         yield from generator.iterate()
+
+
+def test_a_pickled_task_message_is_refused_unrun(
+    worker: WorkerProcess, client: Celery, redis_client: redis.Redis, redis_url: str
+):
+    pickler = Celery("pickler", broker=redis_url, backend=redis_url)
+    pickler.conf.update(task_serializer="pickle", accept_content=["pickle", "json"])
+    refused = pickler.send_task(TASK_NAME, kwargs={"prompt": "x", "max_new_tokens": 4, "identifier": "pickled"},
+                                queue=QUEUE)
+    send(client, prompt="after the pickle", max_new_tokens=4, identifier="after-pickle").get(timeout=60)
+    assert redis_client.llen(QUEUE) == 0
+    assert refused.state == "PENDING"
+    assert not redis_client.exists(stream_key("pickled"))
