@@ -55,11 +55,19 @@ class GeneratorStats:
     pages_total: int
     pages_used: int
     pages_free: int
+    pages_cached: int
     page_size: int
     steps: int
     generated_tokens: int
     computed_prompt_tokens: int
+    cached_prompt_tokens: int
     preemptions: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of prompt tokens served from the prefix cache instead of computed."""
+        total = self.cached_prompt_tokens + self.computed_prompt_tokens
+        return self.cached_prompt_tokens / total if total else 0.0
 
 
 class Generator:
@@ -73,6 +81,7 @@ class Generator:
         max_chunk_size: int | None = None,
         max_pending: int = DEFAULT_MAX_PENDING,
         max_skips: int = 16,
+        prefix_caching: bool = True,
         seed: int | None = None,
     ) -> None:
         self.model = model
@@ -93,7 +102,9 @@ class Generator:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
-        self.scheduler = Scheduler(self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips)
+        self.scheduler = Scheduler(
+            self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips, prefix_caching
+        )
         self._sequences: dict[int, Sequence] = {}
         self._next_serial = 0
         self._undelivered: list[Result] = []
@@ -101,6 +112,7 @@ class Generator:
         self._steps = 0
         self._generated_tokens = 0
         self._computed_prompt_tokens = 0
+        self._cached_prompt_tokens = 0
 
     @classmethod
     def from_pretrained(
@@ -208,10 +220,12 @@ class Generator:
             pages_total=self.pool.num_pages,
             pages_used=self.pool.num_used,
             pages_free=self.pool.num_free,
+            pages_cached=self.pool.num_cached,
             page_size=self.page_size,
             steps=self._steps,
             generated_tokens=self._generated_tokens,
             computed_prompt_tokens=self._computed_prompt_tokens,
+            cached_prompt_tokens=self._cached_prompt_tokens,
             preemptions=self.scheduler.num_preemptions,
         )
 
@@ -223,6 +237,7 @@ class Generator:
         now = time.monotonic()
         for sequence in schedule.started:
             sequence.time_started = now
+            self._cached_prompt_tokens += sequence.cached_tokens
             results.append(self._result(sequence, "started"))
         if not schedule.scheduled:
             return results
@@ -417,7 +432,7 @@ class Generator:
             completion_ids=sequence.output_ids,
             new_tokens=sequence.num_generated,
             prompt_tokens=sequence.num_prompt_tokens,
-            cached_tokens=0,
+            cached_tokens=sequence.cached_tokens,
             time_enqueued=started - sequence.time_enqueued,
             time_prefill=first - started,
             time_generate=now - first,

@@ -8,6 +8,14 @@ Per step, within a token budget (max_chunk_size):
    remaining prompt plus the first token they will generate; their first
    chunk runs in this same step.
 
+With prefix caching, a sequence admitted from scratch first takes the
+longest run of its full pages that the pool already holds (shared if in use,
+revived if parked), never including its last token, and computes only the
+rest. Every page a step fills completely is named (hashed) when the step is
+scheduled: its content is written in this step's forward before any
+attention reads it (each layer writes all K/V before attending), so two
+identical prompts admitted in the same step already share pages.
+
 A sequence that needs a page when none is free makes the scheduler preempt
 the newest running sequence (vLLM's recompute policy): its pages are freed
 and it goes back to the head of the queue with its generated tokens kept, to
@@ -21,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.cache import PagePool
+from engine.cache import ROOT_HASH, PagePool, page_hash
 from engine.sequence import Sequence
 
 
@@ -46,9 +54,16 @@ class Schedule:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, page_size: int, max_batch_size: int, max_chunk_size: int, max_skips: int = 16
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_batch_size: int,
+        max_chunk_size: int,
+        max_skips: int = 16,
+        prefix_caching: bool = True,
     ) -> None:
         self.pool = pool
+        self.prefix_caching = prefix_caching
         self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.max_chunk_size = max_chunk_size
@@ -82,7 +97,7 @@ class Scheduler:
             if sequence.serial in scheduled or sequence not in self.running:
                 continue
             if self._grow(sequence, len(sequence.token_ids), scheduled, schedule):
-                schedule.scheduled.append(ScheduledSequence(sequence, 1))
+                self._schedule(sequence, 1, schedule)
                 scheduled.add(sequence.serial)
                 budget -= 1
 
@@ -93,7 +108,7 @@ class Scheduler:
                 continue
             chunk = min(sequence.num_uncomputed, budget)
             if self._grow(sequence, sequence.num_computed + chunk, scheduled, schedule):
-                schedule.scheduled.append(ScheduledSequence(sequence, chunk))
+                self._schedule(sequence, chunk, schedule)
                 scheduled.add(sequence.serial)
                 budget -= chunk
 
@@ -110,22 +125,62 @@ class Scheduler:
                 break
             if any(s.skips >= self.max_skips for s in passed_over):
                 break
-            needed = self.pages_for(len(sequence.token_ids) + 1)
+            cached = self._cached_prefix(sequence)
+            revived = sum(1 for page in cached if self.pool.is_parked(page))
+            needed = self.pages_for(len(sequence.token_ids) + 1) - len(cached) + revived
             if self.pool.num_free - promised < needed:
                 passed_over.append(sequence)
                 continue
             for earlier in passed_over:
                 earlier.skips += 1
+            self.pool.retain(cached)
+            sequence.pages = cached
+            sequence.num_computed = len(cached) * self.page_size
+            if sequence.time_started is None:
+                sequence.cached_tokens = sequence.num_computed
+                schedule.started.append(sequence)
             chunk = min(sequence.num_uncomputed, budget)
             self.waiting.remove(sequence)
             self.running.append(sequence)
-            sequence.pages.extend(self.pool.allocate(self.pages_for(sequence.num_computed + chunk)))
+            sequence.pages.extend(self.pool.allocate(self.pages_for(sequence.num_computed + chunk) - len(cached)))
             promised += self.pages_for(len(sequence.token_ids)) - len(sequence.pages)
-            schedule.scheduled.append(ScheduledSequence(sequence, chunk))
-            if sequence.time_started is None:
-                schedule.started.append(sequence)
+            self._schedule(sequence, chunk, schedule)
             budget -= chunk
         return budget
+
+    def _cached_prefix(self, sequence: Sequence) -> list[int]:
+        """The pages already holding this sequence's leading full pages; the
+        page with its last token is never taken (its logits are needed)."""
+        if not self.prefix_caching:
+            return []
+        usable = (len(sequence.token_ids) - 1) // self.page_size
+        self._hash_pages(sequence, usable)
+        pages: list[int] = []
+        for digest in sequence.page_hashes[:usable]:
+            page = self.pool.lookup(digest)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def _hash_pages(self, sequence: Sequence, count: int) -> None:
+        """Extend the sequence's chain of full-page hashes to `count` pages."""
+        size = self.page_size
+        hashes = sequence.page_hashes
+        tokens = sequence.token_ids
+        while len(hashes) < count:
+            k = len(hashes)
+            hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, tokens[k * size : (k + 1) * size]))
+
+    def _schedule(self, sequence: Sequence, num_tokens: int, schedule: Schedule) -> None:
+        """Add the sequence's next num_tokens to this step and name the pages they complete."""
+        schedule.scheduled.append(ScheduledSequence(sequence, num_tokens))
+        if self.prefix_caching:
+            full = (sequence.num_computed + num_tokens) // self.page_size
+            first_new = sequence.num_computed // self.page_size
+            self._hash_pages(sequence, full)
+            for k in range(first_new, full):
+                self.pool.register(sequence.pages[k], sequence.page_hashes[k])
 
     def _grow(self, sequence: Sequence, num_tokens: int, scheduled: set[int], schedule: Schedule) -> bool:
         """Give the sequence pages for num_tokens tokens, preempting the newest

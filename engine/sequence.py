@@ -26,7 +26,9 @@ class Sequence:
     rng: torch.Generator | None
     time_enqueued: float
     pages: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)
     num_computed: int = 0
+    cached_tokens: int = 0
     skips: int = 0
     time_started: float | None = None
     time_first_token: float | None = None

@@ -128,19 +128,19 @@ class EngineLoop:
         engine = self.generator.stats
         now = time.monotonic()
         recent = [n for t, n in list(self._recent_tokens) if now - t <= TOKENS_PER_SECOND_WINDOW_S]
-        prompt = engine.computed_prompt_tokens
         return {
             "active_jobs": engine.active_jobs,
             "pending_jobs": engine.pending_jobs + len(self._inbox),
             "pages_total": engine.pages_total,
             "pages_used": engine.pages_used,
             "pages_free": engine.pages_free,
-            "pages_cached": 0,
+            "pages_cached": engine.pages_cached,
             "page_size": engine.page_size,
             "generated_tokens": engine.generated_tokens,
             "generated_tokens_per_s": round(sum(recent) / TOKENS_PER_SECOND_WINDOW_S, 2),
-            "prompt_tokens_computed": prompt,
-            "prefix_hit_rate": 0.0,
+            "prompt_tokens_computed": engine.computed_prompt_tokens,
+            "prompt_tokens_cached": engine.cached_prompt_tokens,
+            "prefix_hit_rate": round(engine.prefix_hit_rate, 4),
             "preemptions": engine.preemptions,
             **asdict(self.counters),
         }
