@@ -30,6 +30,7 @@ from engine.errors import JobRejected, QueueFull
 from engine.job import Job
 from engine.model import CausalLM
 from engine.sampling import SamplerSettings, SamplingRow, sample
+from engine.speculative import NgramDrafter, verify
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence
 from engine.stops import StopStringMatcher
@@ -62,6 +63,8 @@ class GeneratorStats:
     computed_prompt_tokens: int
     cached_prompt_tokens: int
     preemptions: int
+    drafted_tokens: int
+    accepted_draft_tokens: int
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -82,6 +85,10 @@ class Generator:
         max_pending: int = DEFAULT_MAX_PENDING,
         max_skips: int = 16,
         prefix_caching: bool = True,
+        use_ngram_draft: bool = False,
+        max_ngram: int = 4,
+        num_draft_tokens: int = 4,
+        max_speculative_batch: int = 8,
         seed: int | None = None,
     ) -> None:
         self.model = model
@@ -102,8 +109,10 @@ class Generator:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
+        drafter = NgramDrafter(max_ngram, num_draft_tokens) if use_ngram_draft else None
         self.scheduler = Scheduler(
-            self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips, prefix_caching
+            self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips, prefix_caching,
+            drafter, max_speculative_batch,
         )
         self._sequences: dict[int, Sequence] = {}
         self._next_serial = 0
@@ -113,6 +122,8 @@ class Generator:
         self._generated_tokens = 0
         self._computed_prompt_tokens = 0
         self._cached_prompt_tokens = 0
+        self._drafted_tokens = 0
+        self._accepted_draft_tokens = 0
 
     @classmethod
     def from_pretrained(
@@ -227,6 +238,8 @@ class Generator:
             computed_prompt_tokens=self._computed_prompt_tokens,
             cached_prompt_tokens=self._cached_prompt_tokens,
             preemptions=self.scheduler.num_preemptions,
+            drafted_tokens=self._drafted_tokens,
+            accepted_draft_tokens=self._accepted_draft_tokens,
         )
 
     def iterate(self) -> list[Result]:
@@ -244,19 +257,48 @@ class Generator:
         self._steps += 1
         batch = self._build_batch(schedule.scheduled)
         logits = self.model(batch, self.cache.k, self.cache.v)
-        sampling = [s.sequence for s in schedule.scheduled if s.samples]
+        plain: list[tuple[Sequence, int]] = []
+        speculated: list[tuple[Sequence, torch.Tensor]] = []
+        row = 0
         for item in schedule.scheduled:
-            if item.sequence.num_computed < item.sequence.num_prompt_tokens:
-                self._computed_prompt_tokens += min(
-                    item.num_tokens, item.sequence.num_prompt_tokens - item.sequence.num_computed
-                )
-            item.sequence.num_computed += item.num_tokens
-        if sampling:
-            tokens = sample(logits, [self._sampling_row(s) for s in sampling]).tolist()
-            now = time.monotonic()
-            for sequence, token in zip(sampling, tokens):
-                results.append(self._accept_token(sequence, token, now))
+            sequence = item.sequence
+            if item.samples and sequence.draft_ids:
+                width = 1 + len(sequence.draft_ids)
+                speculated.append((sequence, logits[row : row + width]))
+                row += width
+            elif item.samples:
+                plain.append((sequence, row))
+                row += 1
+            if sequence.num_computed < sequence.num_prompt_tokens:
+                self._computed_prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
+            sequence.num_computed += item.num_tokens - len(sequence.draft_ids)
+        emitted: list[tuple[Sequence, list[int]]] = []
+        if plain:
+            rows = [self._sampling_row(s) for s, _ in plain]
+            tokens = sample(logits[[r for _, r in plain]], rows).tolist()
+            emitted += [(s, [t]) for (s, _), t in zip(plain, tokens)]
+        for sequence, rows_logits in speculated:
+            emitted.append((sequence, self._verify(sequence, rows_logits)))
+        now = time.monotonic()
+        for sequence, tokens in emitted:
+            results.append(self._accept_tokens(sequence, tokens, now))
         return results
+
+    def _verify(self, sequence: Sequence, logits: torch.Tensor) -> list[int]:
+        """Check a sequence's draft against the main model; keep the cache
+        state of the accepted tokens only."""
+        draft = sequence.draft_ids
+        rows = [self._sampling_row(sequence, draft[:i]) for i in range(len(draft) + 1)]
+        tokens = verify(logits, rows, draft)
+        accepted = len(tokens) - 1
+        sequence.accepted_draft_tokens += accepted
+        sequence.rejected_draft_tokens += len(draft) - accepted
+        self._accepted_draft_tokens += accepted
+        self._drafted_tokens += len(draft)
+        sequence.num_computed += accepted
+        sequence.draft_ids = []
+        self.scheduler.trim_pages(sequence, len(sequence.token_ids) + len(tokens))
+        return tokens
 
     def generate(
         self,
@@ -328,13 +370,15 @@ class Generator:
             start = sequence.num_computed
             end = start + item.num_tokens
             pages = sequence.pages
-            input_ids.extend(sequence.token_ids[start:end])
+            draft = sequence.draft_ids
+            input_ids.extend(sequence.token_ids[start : end - len(draft)])
+            input_ids.extend(draft)
             positions.extend(range(start, end))
             slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
             cu_seqlens.append(cu_seqlens[-1] + item.num_tokens)
             context_lens.append(end)
             if item.samples:
-                logits_indices.append(cu_seqlens[-1] - 1)
+                logits_indices.extend(range(cu_seqlens[-1] - 1 - len(draft), cu_seqlens[-1]))
             page_table.append(pages + [pages[0]] * (max_pages - len(pages)))
         device = self.device
 
@@ -351,45 +395,62 @@ class Generator:
             logits_indices=tensor(logits_indices, torch.long),
         )
 
-    def _sampling_row(self, sequence: Sequence) -> SamplingRow:
+    def _sampling_row(self, sequence: Sequence, pending: list[int] | None = None) -> SamplingRow:
+        """Sampling inputs for the sequence's next token, as if `pending`
+        (accepted draft tokens) had already been appended."""
         job = sequence.job
-        suppress = sequence.stop_token_ids if sequence.num_generated < job.min_new_tokens else ()
+        pending = pending or []
+        generated = sequence.num_generated + len(pending)
+        suppress = sequence.stop_token_ids if generated < job.min_new_tokens else ()
         return SamplingRow(
             settings=job.gen_settings,
             prompt_ids=job.input_ids,
-            output_ids=sequence.output_ids,
+            output_ids=sequence.output_ids + pending if pending else sequence.output_ids,
             generator=sequence.rng,
             suppress_ids=tuple(suppress),
         )
 
-    def _accept_token(self, sequence: Sequence, token: int, now: float) -> Result:
-        """Append a sampled token, release its text, and finish the job if a
-        stop condition or max_new_tokens is reached."""
-        sequence.token_ids.append(token)
-        self._generated_tokens += 1
+    def _accept_tokens(self, sequence: Sequence, tokens: list[int], now: float) -> Result:
+        """Append this step's tokens one by one, releasing their text; the
+        first stop condition (or max_new_tokens) finishes the job and drops
+        whatever tokens follow it."""
         if sequence.time_first_token is None:
             sequence.time_first_token = now
+        texts: list[str] = []
+        for i, token in enumerate(tokens):
+            finished = self._accept_token(sequence, token, texts)
+            if finished is not None:
+                reason, trigger = finished
+                return self._finish(sequence, "".join(texts), tokens[: i + 1], reason, trigger)
+        text = "".join(texts)
+        sequence.completion.append(text)
+        return self._result(sequence, "streaming", text, tokens)
+
+    def _accept_token(self, sequence: Sequence, token: int, texts: list[str]) -> tuple[str, int | str | None] | None:
+        """Append one token and its released text; (eos_reason, trigger) if it ends the job."""
+        sequence.token_ids.append(token)
+        self._generated_tokens += 1
         job = sequence.job
         can_stop = sequence.num_generated >= job.min_new_tokens
         matcher = sequence.stop_matcher
         if token in sequence.stop_token_ids and can_stop:
-            text = self._release(sequence, sequence.detokenizer.flush(), can_stop=True)[0]
+            texts.append(self._release(sequence, sequence.detokenizer.flush(), can_stop=True)[0])
             if matcher is not None:
-                text += matcher.flush()
-            return self._finish(sequence, text, [token], "stop_token", token)
+                texts.append(matcher.flush())
+            return "stop_token", token
         text, stop_string = self._release(sequence, sequence.detokenizer.add([token]), can_stop)
+        texts.append(text)
         if stop_string is not None:
-            return self._finish(sequence, text, [token], "stop_string", stop_string)
+            return "stop_string", stop_string
         if sequence.num_generated >= job.max_new_tokens:
             tail, stop_string = self._release(sequence, sequence.detokenizer.flush(), can_stop)
-            text += tail
+            texts.append(tail)
             if stop_string is not None:
-                return self._finish(sequence, text, [token], "stop_string", stop_string)
+                return "stop_string", stop_string
             if matcher is not None:
-                text += matcher.flush()
-            return self._finish(sequence, text, [token], "max_new_tokens", None)
-        sequence.completion.append(text)
-        return self._result(sequence, "streaming", text, [token])
+                texts.append(matcher.flush())
+            return "max_new_tokens", None
+        return None
 
     @staticmethod
     def _release(sequence: Sequence, text: str, can_stop: bool) -> tuple[str, str | None]:
@@ -433,6 +494,8 @@ class Generator:
             new_tokens=sequence.num_generated,
             prompt_tokens=sequence.num_prompt_tokens,
             cached_tokens=sequence.cached_tokens,
+            accepted_draft_tokens=sequence.accepted_draft_tokens,
+            rejected_draft_tokens=sequence.rejected_draft_tokens,
             time_enqueued=started - sequence.time_enqueued,
             time_prefill=first - started,
             time_generate=now - first,

@@ -27,6 +27,7 @@ it, so no job starves.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache import ROOT_HASH, PagePool, page_hash
@@ -41,8 +42,9 @@ class ScheduledSequence:
     @property
     def samples(self) -> bool:
         """Whether this step computes the sequence's last known token, so its
-        logits give the next one."""
-        return self.sequence.num_computed + self.num_tokens == len(self.sequence.token_ids)
+        logits give the next one (and, past it, those of any draft tokens)."""
+        sequence = self.sequence
+        return sequence.num_computed + self.num_tokens - len(sequence.draft_ids) == len(sequence.token_ids)
 
 
 @dataclass
@@ -61,9 +63,13 @@ class Scheduler:
         max_chunk_size: int,
         max_skips: int = 16,
         prefix_caching: bool = True,
+        drafter: Callable[[Sequence], list[int]] | None = None,
+        max_speculative_batch: int = 0,
     ) -> None:
         self.pool = pool
         self.prefix_caching = prefix_caching
+        self.drafter = drafter
+        self.max_speculative_batch = max_speculative_batch
         self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.max_chunk_size = max_chunk_size
@@ -91,15 +97,20 @@ class Scheduler:
         budget = self.max_chunk_size
         scheduled: set[int] = set()
 
-        for sequence in [s for s in self.running if s.num_uncomputed == 1]:
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        drafter = self.drafter if len(decoding) <= self.max_speculative_batch else None
+        for sequence in decoding:
             if budget == 0:
                 break
             if sequence.serial in scheduled or sequence not in self.running:
                 continue
-            if self._grow(sequence, len(sequence.token_ids), scheduled, schedule):
-                self._schedule(sequence, 1, schedule)
+            sequence.draft_ids = self._draft(drafter, sequence, budget - 1) if drafter else []
+            if self._grow(sequence, len(sequence.token_ids) + len(sequence.draft_ids), scheduled, schedule):
+                self._schedule(sequence, 1 + len(sequence.draft_ids), schedule)
                 scheduled.add(sequence.serial)
-                budget -= 1
+                budget -= 1 + len(sequence.draft_ids)
+            else:
+                sequence.draft_ids = []
 
         for sequence in [s for s in self.running if s.num_uncomputed > 1]:
             if budget == 0:
@@ -114,6 +125,13 @@ class Scheduler:
 
         budget = self._admit(budget, schedule)
         return schedule
+
+    @staticmethod
+    def _draft(drafter: Callable[[Sequence], list[int]], sequence: Sequence, room: int) -> list[int]:
+        """Draft tokens for a decoding sequence, never more than it may still
+        generate after this step's token, nor than the step budget allows."""
+        limit = min(room, sequence.job.max_new_tokens - sequence.num_generated - 1)
+        return drafter(sequence)[: max(0, limit)] if limit > 0 else []
 
     def _admit(self, budget: int, schedule: Schedule) -> int:
         promised = sum(
@@ -135,6 +153,7 @@ class Scheduler:
                 earlier.skips += 1
             self.pool.retain(cached)
             sequence.pages = cached
+            sequence.registered_pages = len(cached)
             sequence.num_computed = len(cached) * self.page_size
             if sequence.time_started is None:
                 sequence.cached_tokens = sequence.num_computed
@@ -176,11 +195,12 @@ class Scheduler:
         """Add the sequence's next num_tokens to this step and name the pages they complete."""
         schedule.scheduled.append(ScheduledSequence(sequence, num_tokens))
         if self.prefix_caching:
-            full = (sequence.num_computed + num_tokens) // self.page_size
-            first_new = sequence.num_computed // self.page_size
+            known = min(sequence.num_computed + num_tokens, len(sequence.token_ids))
+            full = known // self.page_size
             self._hash_pages(sequence, full)
-            for k in range(first_new, full):
+            for k in range(sequence.registered_pages, full):
                 self.pool.register(sequence.pages[k], sequence.page_hashes[k])
+            sequence.registered_pages = max(sequence.registered_pages, full)
 
     def _grow(self, sequence: Sequence, num_tokens: int, scheduled: set[int], schedule: Schedule) -> bool:
         """Give the sequence pages for num_tokens tokens, preempting the newest
@@ -205,6 +225,14 @@ class Scheduler:
         schedule.preempted.append(sequence)
         self.num_preemptions += 1
 
+    def trim_pages(self, sequence: Sequence, num_tokens: int) -> None:
+        """Give back pages past num_tokens (those only rejected draft tokens used)."""
+        keep = self.pages_for(num_tokens)
+        if len(sequence.pages) > keep:
+            self.pool.release(sequence.pages[keep:])
+            del sequence.pages[keep:]
+
     def _free_pages(self, sequence: Sequence) -> None:
         self.pool.release(sequence.pages)
         sequence.pages = []
+        sequence.registered_pages = 0

@@ -27,8 +27,12 @@ class Sequence:
     time_enqueued: float
     pages: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)
+    registered_pages: int = 0
     num_computed: int = 0
     cached_tokens: int = 0
+    draft_ids: list[int] = field(default_factory=list)
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
     skips: int = 0
     time_started: float | None = None
     time_first_token: float | None = None
