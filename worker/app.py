@@ -39,7 +39,6 @@ def create_app(settings: Settings | None = None) -> Celery:
         task_send_sent_event=True,
         task_track_started=True,
         result_expires=settings.result_expires_s,
-        result_extended=True,
         broker_transport_options=transport_options,
         result_backend_transport_options={"visibility_timeout": settings.visibility_timeout_s},
         broker_connection_retry_on_startup=True,

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_DEMO_MODEL = Path(".models/tiny-llama")
@@ -106,6 +107,20 @@ def _flower(args: argparse.Namespace) -> int:
     os.execvp(command[0], command)
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from producer.gateway.server import serve
+
+    serve(args.host, args.port, args.log_level)
+    return 0
+
+
+def _callback_worker(args: argparse.Namespace) -> int:
+    from producer.callbacks import main as callback_worker
+
+    callback_worker([f"--loglevel={args.log_level.upper()}"])
+    return 0
+
+
 def _dev(args: argparse.Namespace) -> int:
     from worker.dev import run
 
@@ -182,6 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     flower.add_argument("--queue", help="queue name (GENQ_QUEUE)")
     flower.set_defaults(func=_flower)
 
+    gateway = commands.add_parser(
+        "gateway", help="run the HTTP gateway: webhooks, SSE streams, OpenAI-compatible API (no torch needed)",
+        description="Serve the FastAPI gateway with uvicorn. Settings come from GENQ_GATEWAY_* and the shared "
+                    "GENQ_* variables (README, 'The gateway'); --host and --port win.",
+    )
+    gateway.add_argument("--host", help="bind address (GENQ_GATEWAY_HOST, default 127.0.0.1)")
+    gateway.add_argument("--port", type=int, help="bind port (GENQ_GATEWAY_PORT, default 8000)")
+    gateway.set_defaults(func=_gateway)
+
+    callbacks = commands.add_parser(
+        "callback-worker", help="run the CPU worker that delivers completion callbacks (no torch needed)",
+        description="A Celery threads-pool worker on GENQ_CALLBACK_QUEUE (default genq-callbacks) running "
+                    "genq.deliver_callback: signed POSTs with retries and exponential backoff.",
+    )
+    callbacks.set_defaults(func=_callback_worker)
+
     dev = commands.add_parser(
         "dev", help="the whole service on this machine: Redis, worker, Flower, a streamed demo (make run)",
         description="Start Redis (GENQ_REDIS_URL if set and reachable, else a private redis-server on a free "
@@ -193,7 +224,86 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--demo-tokens", dest="demo_tokens", type=int, default=48, help="tokens in the demo request")
     dev.add_argument("--flower-port", dest="flower_port", type=int, help="default: a free port")
     dev.set_defaults(func=_dev)
+    _add_producer_commands(commands)
     return parser
+
+
+PRODUCER_EXIT_CODES = """exit codes:
+  0    done: a stop condition or max_new_tokens ended the generation
+  1    the generation failed (the worker's message is on stderr)
+  2    usage or validation error (the protocol's message is on stderr)
+  3    cancelled
+  4    timed out: the request's deadline passed, or no result within the wait
+  5    cannot reach Redis (or the broker)
+  130  interrupted (Ctrl-C); `genq submit` cancels its request first
+"""
+
+
+def _producer_command(name: str) -> Callable[[argparse.Namespace], int]:
+    """A handler from producer.cli, imported when it runs: these commands need neither torch nor the worker."""
+
+    def run(args: argparse.Namespace) -> int:
+        from producer import cli
+
+        return getattr(cli, name)(args)
+
+    return run
+
+
+def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
+    """submit, stream, cancel, result: what a backend script needs, through the client library."""
+
+    def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        parser = commands.add_parser(name, help=summary, description=description, epilog=PRODUCER_EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--redis-url", dest="redis_url", help="streams, broker and results (GENQ_REDIS_URL)")
+        parser.set_defaults(func=_producer_command(f"{name}_command"))
+        return parser
+
+    submit = add(
+        "submit", "send a generation request and print its text",
+        "Send a genq.generate task and wait for it: without --stream, print the request id on stderr and the "
+        "result text on stdout; with --stream, print the text as it is generated and a status line on stderr. "
+        "Exactly one input: PROMPT, --messages or --input-ids.",
+    )
+    submit.add_argument("prompt", nargs="?", help="the prompt; - reads it from stdin")
+    submit.add_argument("--messages", metavar="FILE", help='chat: a JSON list of {"role", "content"}; - = stdin')
+    submit.add_argument("--input-ids", dest="input_ids", metavar="IDS", help="token ids, comma-separated: 1,2,3")
+    submit.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    submit.add_argument("--json", action="store_true",
+                        help="print the result as JSON (with --stream: every event, one JSON object a line)")
+    submit.add_argument("--detach", action="store_true", help="print the request id on stdout and exit at once")
+    submit.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, metavar="N", help="default 256")
+    submit.add_argument("--min-new-tokens", dest="min_new_tokens", type=int, metavar="N", help="stop tokens blocked until then")
+    submit.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (the default)")
+    submit.add_argument("--top-p", dest="top_p", type=float, metavar="P", help="nucleus sampling mass")
+    submit.add_argument("--top-k", dest="top_k", type=int, metavar="K", help="keep the K most likely tokens")
+    submit.add_argument("--seed", type=int, metavar="N", help="same seed and request, same text")
+    submit.add_argument("--stop", action="append", metavar="STR", help="a stop string (repeatable)")
+    submit.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="do not stop at EOS")
+    submit.add_argument("--id", help="the request identifier (default: a new UUID)")
+    submit.add_argument("--priority", type=int, metavar="P", help="0 (served first) to 9")
+    submit.add_argument("--timeout", type=float, metavar="S",
+                        help="deadline S seconds from now: the generation stops there (exit 4); the request is "
+                             "cancelled if no result comes")
+    submit.add_argument("--queue", help="the queue of the model to use (GENQ_QUEUE, default genq)")
+
+    stream = add("stream", "print a request's text from the start, as it is generated",
+                 "Follow a request sent by anyone: its text so far from the replay stream, then live.")
+    stream.add_argument("id", help="the request identifier")
+    stream.add_argument("--json", action="store_true", help="every event, one JSON object a line")
+    stream.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds without an event")
+
+    cancel = add("cancel", "cancel a queued or running request",
+                 "Cancel a request: a queued one never runs, a running one stops within one engine step. "
+                 "Cancelling a finished or unknown request does nothing.")
+    cancel.add_argument("id", help="the request identifier")
+
+    result = add("result", "print a request's result", "Print the result of a request from the result backend.")
+    result.add_argument("id", help="the request identifier")
+    result.add_argument("--wait", type=float, default=0.0, metavar="S",
+                        help="wait up to S seconds for it to finish (default: do not wait)")
+    result.add_argument("--json", action="store_true", help="print the whole result as JSON")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,11 +24,13 @@ from producer.protocol import (
     Usage,
     finish_reason_from_eos,
 )
-from worker.publisher import Publisher
+from worker.publisher import Publisher, PublishingThread
 
 log = logging.getLogger(__name__)
 
 TOKENS_PER_SECOND_WINDOW_S = 10.0
+#: How long a cancel for a request this worker has not seen (yet) is remembered.
+EARLY_CANCEL_MEMORY_S = 600.0
 
 
 class ShuttingDown(RuntimeError):
@@ -45,6 +47,7 @@ class Submission:
     job: Job
     request: GenerationRequest
     deadline: float | None
+    cancel_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: str | None = None
@@ -74,8 +77,9 @@ class LoopCounters:
 class EngineLoop:
     def __init__(self, generator: Generator, publisher: Publisher) -> None:
         self.generator = generator
-        self.publisher = publisher
+        self.publishing = PublishingThread(publisher)
         self.counters = LoopCounters()
+        self._early_cancels: dict[str, float] = {}
         self._cond = threading.Condition()
         self._inbox: list[Submission] = []
         self._cancels: set[str] = set()
@@ -122,12 +126,11 @@ class EngineLoop:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join()
+        self.publishing.stop()
 
     def stats(self) -> dict[str, Any]:
         """Engine + loop figures for `celery inspect stats` / Flower."""
         engine = self.generator.stats
-        now = time.monotonic()
-        recent = [n for t, n in list(self._recent_tokens) if now - t <= TOKENS_PER_SECOND_WINDOW_S]
         return {
             "active_jobs": engine.active_jobs,
             "pending_jobs": engine.pending_jobs + len(self._inbox),
@@ -137,13 +140,22 @@ class EngineLoop:
             "pages_cached": engine.pages_cached,
             "page_size": engine.page_size,
             "generated_tokens": engine.generated_tokens,
-            "generated_tokens_per_s": round(sum(recent) / TOKENS_PER_SECOND_WINDOW_S, 2),
+            "generated_tokens_per_s": round(self._tokens_per_second(), 2),
             "prompt_tokens_computed": engine.computed_prompt_tokens,
             "prompt_tokens_cached": engine.cached_prompt_tokens,
             "prefix_hit_rate": round(engine.prefix_hit_rate, 4),
             "preemptions": engine.preemptions,
             **asdict(self.counters),
         }
+
+    def _tokens_per_second(self) -> float:
+        """Generated tokens/s over the last window: tokens after the oldest
+        sample in it over the time since that sample (0 when idle)."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent_tokens) if now - t <= TOKENS_PER_SECOND_WINDOW_S]
+        if len(recent) < 2:
+            return 0.0
+        return sum(n for _, n in recent[1:]) / (now - recent[0][0])
 
     # -- the loop thread ----------------------------------------------------
 
@@ -168,9 +180,9 @@ class EngineLoop:
     def _step(self, inbox: list[Submission], cancels: set[str], requeue_all: bool) -> None:
         events: list[StreamEvent] = []
         finished: list[Submission] = []
-        early_cancels = self.publisher.cancel_requested(s.identifier for s in inbox) | cancels
+        self._remember_early_cancels(cancels)
         for submission in inbox:
-            self._admit(submission, early_cancels, events, finished)
+            self._admit(submission, events, finished)
         now = time.time()
         for identifier, submission in self._active.items():
             if requeue_all:
@@ -199,16 +211,22 @@ class EngineLoop:
             self._recent_tokens.append((time.monotonic(), generated))
             while self._recent_tokens and time.monotonic() - self._recent_tokens[0][0] > TOKENS_PER_SECOND_WINDOW_S:
                 self._recent_tokens.popleft()
-        self.publisher.publish(events)
-        for submission in finished:
-            submission.done.set()
+        self.publishing.submit(events, then=lambda: _wake(finished))
 
-    def _admit(
-        self, submission: Submission, cancelled: set[str], events: list[StreamEvent], finished: list[Submission]
-    ) -> None:
+    def _remember_early_cancels(self, cancels: set[str]) -> None:
+        """A cancel can overtake its request (the task thread has not submitted it
+        yet); remember cancels of unknown requests for a while."""
+        now = time.monotonic()
+        for identifier in cancels - self._active.keys():
+            self._early_cancels[identifier] = now
+        for identifier, seen in list(self._early_cancels.items()):
+            if now - seen > EARLY_CANCEL_MEMORY_S:
+                del self._early_cancels[identifier]
+
+    def _admit(self, submission: Submission, events: list[StreamEvent], finished: list[Submission]) -> None:
         if submission.identifier in self._active:
             self._reject(submission, f"identifier: {submission.identifier!r} is already generating", events, finished)
-        elif submission.identifier in cancelled:
+        elif submission.cancel_requested or self._early_cancels.pop(submission.identifier, None) is not None:
             self.counters.cancelled += 1
             events.append(submission.event("cancelled", finish_reason="cancelled"))
             submission.result = _empty_result(submission, "cancelled")
@@ -289,11 +307,12 @@ class EngineLoop:
         for submission in failed:
             self.generator.cancel(submission.job)
             self._reject(submission, message, events, [])
-        try:
-            self.publisher.publish(events)
-        finally:
-            for submission in failed:
-                submission.done.set()
+        self.publishing.submit(events, then=lambda: _wake(failed))
+
+
+def _wake(submissions: list[Submission]) -> None:
+    for submission in submissions:
+        submission.done.set()
 
 
 def _empty_result(submission: Submission, finish_reason: str) -> GenerationResult:

@@ -4,11 +4,16 @@ subscribers) and XADDed to its replay stream (late or reconnecting ones)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
 
 import redis
 
 from producer.protocol import STREAM_FIELD, StreamEvent, cancel_key, channel_name, stream_key
+
+log = logging.getLogger(__name__)
 
 
 class Publisher:
@@ -22,31 +27,52 @@ class Publisher:
         if not events:
             return
         pipe = self.client.pipeline(transaction=False)
-        expiring: set[str] = set()
         for event in events:
             payload = event.to_json()
             key = stream_key(event.id, self.key_prefix)
             pipe.publish(channel_name(event.id, self.key_prefix), payload)
             pipe.xadd(key, {STREAM_FIELD: payload}, maxlen=self.stream_maxlen, approximate=True)
-            expiring.add(key)
-        for key in expiring:
-            pipe.expire(key, self.stream_ttl_s)
+            # The expiry is (re)set when a stream begins and when it ends, not per chunk.
+            if event.event == "started" or event.is_terminal:
+                pipe.expire(key, self.stream_ttl_s)
         pipe.execute()
 
-    def next_attempt(self, identifier: str) -> int:
-        """1 for the first delivery of a request, 2 for its first redelivery, ..."""
+    def begin_attempt(self, identifier: str) -> tuple[int, bool]:
+        """(attempt number, cancel requested?) in one round trip: 1 for the first
+        delivery of a request, 2 for its first redelivery, ..."""
         key = f"{self.key_prefix}:attempt:{identifier}"
         pipe = self.client.pipeline(transaction=True)
         pipe.incr(key)
         pipe.expire(key, self.stream_ttl_s)
-        return int(pipe.execute()[0])
+        pipe.exists(cancel_key(identifier, self.key_prefix))
+        attempt, _, cancelled = pipe.execute()
+        return int(attempt), bool(cancelled)
 
-    def cancel_requested(self, identifiers: Iterable[str]) -> set[str]:
-        """Which of these requests have a cancel key set (cancelled before they reached the engine)."""
-        ids = list(identifiers)
-        if not ids:
-            return set()
-        pipe = self.client.pipeline(transaction=False)
-        for identifier in ids:
-            pipe.exists(cancel_key(identifier, self.key_prefix))
-        return {identifier for identifier, exists in zip(ids, pipe.execute()) if exists}
+
+class PublishingThread:
+    """Publishes each step's events off the engine loop, in order, so the next
+    forward overlaps the Redis round trip; `then` runs after the step's events
+    are out (it wakes the task threads, so a result never precedes its stream)."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+        self._queue: queue.SimpleQueue[tuple[list[StreamEvent], Callable[[], None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="genq-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: list[StreamEvent], then: Callable[[], None]) -> None:
+        self._queue.put((events, then))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            events, then = item
+            try:
+                self.publisher.publish(events)
+            except redis.RedisError:
+                log.exception("could not publish %d stream events", len(events))
+            finally:
+                then()

@@ -30,7 +30,7 @@ def generate(self: Task, **kwargs: Any) -> dict[str, Any]:
     # An unusable identifier is reported on the task id's stream (the request still fails).
     requested = kwargs.get("identifier")
     identifier = requested if isinstance(requested, str) and IDENTIFIER_RE.fullmatch(requested) else self.request.id
-    attempt = runtime.publisher.next_attempt(identifier)
+    attempt, cancel_requested = runtime.publisher.begin_attempt(identifier)
     try:
         request = GenerationRequest.parse_payload(kwargs)
         job = build_job(request, runtime.generator.tokenizer, identifier)
@@ -41,7 +41,7 @@ def generate(self: Task, **kwargs: Any) -> dict[str, Any]:
     deadline = request.deadline
     if request.timeout_s is not None:
         deadline = time.time() + request.timeout_s
-    submission = Submission(identifier, attempt, job, request, deadline)
+    submission = Submission(identifier, attempt, job, request, deadline, cancel_requested)
     try:
         runtime.loop.submit(submission)
     except ShuttingDown:
