@@ -1,6 +1,7 @@
 """genq's generation engine: a paged, continuous-batching generator with a
 job API after exllamav2's dynamic generator. No Redis, no Celery here."""
 
+from engine.embeddings import Embedding
 from engine.errors import JobRejected, ModelLoadError, QueueFull, UnsupportedArchitectureError
 from engine.generator import Generator, GeneratorStats
 from engine.job import Job
@@ -8,6 +9,7 @@ from engine.sampling import SamplerSettings
 from engine.tokenizer import Tokenizer
 
 __all__ = [
+    "Embedding",
     "Generator",
     "GeneratorStats",
     "Job",

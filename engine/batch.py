@@ -16,6 +16,8 @@ class ForwardBatch:
     context_lens: [B] int32 sequence lengths including this step's tokens.
     page_table: [B, max_pages] int32 physical pages per sequence.
     logits_indices: [N] rows of T whose next-token logits are wanted.
+    embeddings: optional (rows [M], vectors [M, hidden]) that replace the
+    token embeddings of those rows (a job's Embedding objects).
     """
 
     input_ids: torch.Tensor
@@ -25,6 +27,7 @@ class ForwardBatch:
     page_table: torch.Tensor
     slot_mapping: torch.Tensor
     logits_indices: torch.Tensor
+    embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -109,7 +109,7 @@ class Generator:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
-        drafter = NgramDrafter(max_ngram, num_draft_tokens) if use_ngram_draft else None
+        drafter = NgramDrafter(max_ngram, num_draft_tokens, model.config.vocab_size) if use_ngram_draft else None
         self.scheduler = Scheduler(
             self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips, prefix_caching,
             drafter, max_speculative_batch,
@@ -187,7 +187,9 @@ class Generator:
             num_prompt_tokens=len(job.input_ids),
             stop_token_ids=stop_ids,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, job.input_ids, skip_special_tokens=not job.decode_special_tokens
+                self.tokenizer,
+                [t for t in job.input_ids if t not in job.embedding_rows],
+                skip_special_tokens=not job.decode_special_tokens,
             ),
             stop_matcher=StopStringMatcher(job.stop_strings) if job.stop_strings else None,
             rng=rng,
@@ -351,9 +353,15 @@ class Generator:
                 f"exceeds {limit}"
             )
         vocab = self.model.config.vocab_size
-        bad = next((t for t in job.input_ids if not 0 <= t < vocab), None)
+        bad = next((t for t in job.input_ids if not 0 <= t < vocab and t not in job.embedding_rows), None)
         if bad is not None:
             raise JobRejected(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab})")
+        hidden = self.model.config.hidden_size
+        for embedding in job.embeddings:
+            if embedding.vectors.shape[1] != hidden:
+                raise JobRejected(
+                    f"embeddings: vectors of width {embedding.vectors.shape[1]}, the model's hidden_size is {hidden}"
+                )
 
     def _build_batch(self, scheduled: list[ScheduledSequence]) -> ForwardBatch:
         page_size = self.page_size
@@ -365,12 +373,21 @@ class Generator:
         logits_indices: list[int] = []
         max_pages = max(len(item.sequence.pages) for item in scheduled)
         page_table: list[list[int]] = []
+        embed_positions: list[int] = []
+        embed_values: list[torch.Tensor] = []
         for item in scheduled:
             sequence = item.sequence
             start = sequence.num_computed
             end = start + item.num_tokens
             pages = sequence.pages
             draft = sequence.draft_ids
+            rows = sequence.job.embedding_rows
+            if rows and start < sequence.num_prompt_tokens:
+                for offset, token in enumerate(sequence.token_ids[start : min(end, sequence.num_prompt_tokens)]):
+                    if token in rows:
+                        embedding, row = rows[token]
+                        embed_positions.append(len(input_ids) + offset)
+                        embed_values.append(embedding.vectors[row])
             input_ids.extend(sequence.token_ids[start : end - len(draft)])
             input_ids.extend(draft)
             positions.extend(range(start, end))
@@ -385,7 +402,13 @@ class Generator:
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+        embeddings = None
+        if embed_positions:
+            for i in embed_positions:
+                input_ids[i] = 0
+            embeddings = (tensor(embed_positions, torch.long), torch.stack(embed_values).to(device))
         return ForwardBatch(
+            embeddings=embeddings,
             input_ids=tensor(input_ids, torch.long),
             positions=tensor(positions, torch.long),
             cu_seqlens_q=tensor(cu_seqlens, torch.int32),

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.embeddings import Embedding
 from engine.sampling import SamplerSettings
 
 class Job:
@@ -29,6 +30,7 @@ class Job:
         identifier: Any = None,
         seed: int | None = None,
         decode_special_tokens: bool = False,
+        embeddings: Sequence[Embedding] = (),
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -51,6 +53,13 @@ class Job:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         self.seed = seed
         self.decode_special_tokens = decode_special_tokens
+        self.embeddings = tuple(embeddings)
+        self.embedding_rows: dict[int, tuple[Embedding, int]] = {
+            token: (embedding, row) for embedding in self.embeddings for row, token in enumerate(embedding.token_ids)
+        }
+        missing = [e for e in self.embeddings if e.first_id not in self.input_ids]
+        if missing:
+            raise ValueError(f"input_ids lacks the reserved ids of {len(missing)} embedding(s): place embedding.token_ids")
         self.serial: int | None = None
 
     def __repr__(self) -> str:

@@ -132,6 +132,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
+        if batch.embeddings is not None:
+            rows, vectors = batch.embeddings
+            hidden[rows] = vectors.to(hidden.dtype)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
         residual: torch.Tensor | None = None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):

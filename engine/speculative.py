@@ -12,6 +12,7 @@ Chen et al., 2023). An n-gram draft is deterministic, so q is one-hot there.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,9 +45,14 @@ class NgramDrafter:
 
     max_ngram: int = 4
     num_draft_tokens: int = 4
+    vocab_size: int | None = None
 
     def __call__(self, sequence: EngineSequence) -> list[int]:
-        return ngram_draft(sequence.token_ids, self.max_ngram, self.num_draft_tokens)
+        draft = ngram_draft(sequence.token_ids, self.max_ngram, self.num_draft_tokens)
+        if self.vocab_size is not None:
+            # the model never emits reserved (embedding) ids: a draft through one is cut there
+            draft = list(itertools.takewhile(lambda t: t < self.vocab_size, draft))
+        return draft
 
 
 def verify(
