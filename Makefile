@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch is pinned to the CPU build on disk; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[worker,dev]'
+	$(PY) -m pip install --quiet -e '.[worker,gateway,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

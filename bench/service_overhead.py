@@ -65,12 +65,21 @@ import redis
 import torch
 from celery import Celery
 
-from bench_common import RESULTS_DIR, available_cores, ensure_model, load_average, machine_info, percentiles_ms, progress
+from bench_common import (
+    RESULTS_DIR,
+    available_cores,
+    ensure_model,
+    load_average,
+    machine_info,
+    percentiles_ms,
+    progress,
+)
 from engine import Generator, Tokenizer
 from engine.tiny_model import PRESETS, count_parameters
 from engine_throughput import FULL_WORKLOAD, QUICK_WORKLOAD, WARMUP_WORKLOAD
 from service_report import markdown_table, plot
 from service_runners import (
+    WORKER_CONCURRENCY,
     EngineSettings,
     RedisServer,
     WorkerProcess,
@@ -113,8 +122,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     parser.add_argument(
-        "--threads", type=int, default=available_cores(),
-        help="torch threads of the in-process engine and of the worker (default: all cores)",
+        "--threads", type=int, default=max(1, available_cores() - 1),
+        help="torch threads of the in-process engine and of the worker (default: all cores but one, left to "
+             "redis-server, the client and the worker's other threads: a busy core stalls every torch thread)",
     )
     parser.add_argument("--page-size", type=int, default=16, help="KV page size (default 16)")
     parser.add_argument("--chunk-size", type=int, default=2048, help="engine max_chunk_size (default 2048)")
@@ -128,7 +138,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not args.models or any(m not in PRESETS for m in args.models):
         parser.error(f"--models: expected a comma-separated subset of {','.join(PRESETS)}")
-    args.singles = args.singles or (5 if args.quick else 20)
+    if args.singles is None:
+        args.singles = 5 if args.quick else 20
+    if args.singles < 1 or args.threads < 1:
+        parser.error("--singles and --threads must be at least 1")
     return args
 
 
@@ -197,6 +210,7 @@ def compare_outputs(engine: Trace, service: Trace, results: Sequence[dict[str, A
 def bench_engine(
     path: Path, engine: EngineSettings, requests: list[Request], warmup: list[Request], singles: list[Request]
 ) -> tuple[Trace, list[float]]:
+    """The engine in this process: warm-up, the workload all at once, then the single requests."""
     gen = Generator.from_pretrained(path, **engine.generator_options())
     run_engine(gen, warmup)
     trace = run_engine(gen, requests)
@@ -212,20 +226,25 @@ def bench_service(
     redis_client = redis.Redis.from_url(redis_url)
     try:
         with WorkerProcess(path, redis_url, queue, engine, args.threads, workdir / f"{queue}.log") as worker:
-            progress(f"{queue}: waiting for the worker to load its engine")
-            worker.wait_ready(client, timeout=300)
-            run_service(client, redis_client, warmup, queue, f"{queue}-warmup", args.timeout)
-            stats = {"before_workload": worker.engine_stats(client)}
-            progress(f"{queue}: service workload start")
-            trace, results = run_service(client, redis_client, requests, queue, f"{queue}-w", args.timeout)
-            stats["after_workload"] = worker.engine_stats(client)
-            progress(f"{queue}: {len(singles)} single requests through the service")
-            single_s = service_singles(client, redis_client, singles, queue, f"{queue}-s", args.timeout)
-            stats["at_end"] = worker.engine_stats(client)
+            try:
+                progress(f"{queue}: waiting for the worker to load its engine")
+                worker.wait_ready(client, timeout=300)
+                run_service(client, redis_client, warmup, queue, f"{queue}-warmup", args.timeout)
+                stats = {"before_workload": worker.engine_stats(client)}
+                progress(f"{queue}: service workload start")
+                trace, results = run_service(client, redis_client, requests, queue, f"{queue}-w", args.timeout)
+                stats["after_workload"] = worker.engine_stats(client)
+                progress(f"{queue}: {len(singles)} single requests through the service")
+                single_s = service_singles(client, redis_client, singles, queue, f"{queue}-s", args.timeout)
+                stats["at_end"] = worker.engine_stats(client)
+            except Exception:
+                progress(f"{queue}: the service run failed; the worker's log ends with:\n{worker.log_tail()}")
+                raise
     finally:
         redis_client.close()
         client.close()
-    stats["workload_steps"] = stats["after_workload"]["steps"] - stats["before_workload"]["steps"]
+    before, after = stats["before_workload"], stats["after_workload"]
+    stats["workload_steps"] = after["steps"] - before["steps"] if before and after else None
     return trace, results, single_s, stats
 
 
@@ -259,6 +278,8 @@ def bench_model(preset: str, spec: WorkloadSpec, args: argparse.Namespace, redis
     )
     service_run = summarize(service_trace, requests)
     _log_run(preset, "service", service_run)
+    progress(f"{preset} worker: peak_active_jobs {stats['at_end']['peak_active_jobs']}, {stats['workload_steps']} "
+             f"steps for the workload (engine alone {engine_trace.details['steps']})")
     singles_result = single_summary(engine_single_s, service_single_s)
     correctness = compare_outputs(engine_trace, service_trace, results)
     ratio = service_run["generated_tok_s"] / engine_run["generated_tok_s"]
@@ -322,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": args.threads,
             "page_size": args.page_size,
             "chunk_size": args.chunk_size,
-            "worker_concurrency": 64,
+            "worker_concurrency": WORKER_CONCURRENCY,
             "dtype": "float32",
             "greedy": True,
             "eos": "ignored (engine: stop_conditions=[]; service: ignore_eos=true)",
@@ -346,4 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        progress("interrupted; the worker and redis-server were stopped")
+        sys.exit(130)

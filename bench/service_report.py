@@ -33,8 +33,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             run = result[path]
             equal = ""
             if path == "service":
-                check = result["correctness"]
-                equal = f"{check['texts_equal']}/{check['requests']} texts, {check['tokens_equal']} token lists"
+                check, n = result["correctness"], result["correctness"]["requests"]
+                equal = f"{check['texts_equal']}/{n} texts, {check['tokens_equal']}/{n} tokens"
             lines.append(
                 f"| {label} | {PATHS[path]} | {run['generated_tok_s']:.1f} | {_pair(run['first_chunk_ms'], 0)} "
                 f"| {_pair(singles[path + '_ms'], 1)} | {equal} |"
@@ -50,7 +50,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     load = machine["load_average_at_start"]
     lines.append("")
     lines.append(
-        f"{machine['cpu_model']}, {settings['threads']} torch threads (both paths), fp32, torch {machine['torch']}, "
+        f"{machine['cpu_model']}, torch threads: {settings['threads']} (both paths), fp32, torch {machine['torch']}, "
         f"celery {machine['celery']}, redis-server {machine['redis_server']}; {settings['num_requests']} requests "
         f"at once, {settings['single_requests']} single requests of {settings['single_max_new_tokens']} tokens; "
         f"load average at start {load[0] if load else 'n/a'}; {machine['date']}."
@@ -79,19 +79,21 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 5))
     for container in _bars(axes[0], results, lambda m, p: m[p]["generated_tok_s"], with_p99=False):
         axes[0].bar_label(container, fmt="%.0f", fontsize=8)
+    ratios = [f"{name}\nservice/engine x{m['overhead']['throughput_ratio']:.2f}"
+              for name, m in results["models"].items()]
+    axes[0].set_xticks(range(len(ratios)), ratios)
     axes[0].set_title("generated tokens/s, all requests at once")
     _bars(axes[1], results, lambda m, p: m[p]["first_chunk_ms"], with_p99=True)
-    axes[1].set_title("first chunk, all at once: ms from submit (bar p50, x p99)")
-    for container in _bars(axes[2], results, lambda m, p: m["single_requests"][f"{p}_ms"], with_p99=True):
-        axes[2].bar_label(container, fmt="%.1f", fontsize=8)
-    axes[2].set_title("first chunk, one request at a time: ms (bar p50, x p99)")
+    axes[1].set_title("first chunk, all at once: ms from submit\n(bar p50, x p99)")
+    _bars(axes[2], results, lambda m, p: m["single_requests"][f"{p}_ms"], with_p99=True)
+    axes[2].set_title("first chunk, one request at a time: ms from submit\n(bar p50, x p99)")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     machine = results["machine"]
     settings = results["settings"]
     fig.suptitle(
         f"service overhead: {settings['num_requests']} requests, greedy, fp32 - {machine['cpu_model']}, "
-        f"{settings['threads']} threads - {machine['date']}",
+        f"torch threads: {settings['threads']} - {machine['date']}",
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0.07, 1, 1))

@@ -35,6 +35,7 @@ from throughput_runners import Request, Trace
 ROOT = Path(__file__).resolve().parent.parent
 TERMINAL_EVENTS = frozenset({"done", "error", "cancelled"})
 STOP_TIMEOUT_S = 30.0
+WORKER_CONCURRENCY = 64
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,8 @@ class WorkerProcess:
         self.node = f"bench-{queue}@genq-bench"
         self.log_path = log_path
         args = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "worker", "--model", str(model),
-                "--redis-url", redis_url, "--queue", queue, "--concurrency", "64", "--hostname", self.node,
-                "--shutdown-grace", "0", *engine.worker_args()]
+                "--redis-url", redis_url, "--queue", queue, "--concurrency", str(WORKER_CONCURRENCY),
+                "--hostname", self.node, "--shutdown-grace", "0", *engine.worker_args()]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
         # torch sizes its thread pool from OMP_NUM_THREADS: the same thread count as the in-process engine.
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))

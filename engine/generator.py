@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import JobRejected, QueueFull
 from engine.job import Job
 from engine.model import CausalLM
-from engine.sampling import SamplerSettings, SamplingRow, sample
-from engine.speculative import NgramDrafter, verify
+from engine.sampling import SamplerSettings, SamplingRow, sample, sampling_probs
+from engine.speculative import NgramDrafter, draw, verify
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence
 from engine.stops import StopStringMatcher
@@ -85,12 +85,20 @@ class Generator:
         max_pending: int = DEFAULT_MAX_PENDING,
         max_skips: int = 16,
         prefix_caching: bool = True,
+        draft_model: CausalLM | None = None,
+        draft_cache: KVCache | None = None,
+        num_draft_tokens: int = 4,
         use_ngram_draft: bool = False,
         max_ngram: int = 4,
-        num_draft_tokens: int = 4,
         max_speculative_batch: int = 8,
         seed: int | None = None,
     ) -> None:
+        """Speculative decoding: pass draft_model + draft_cache (a smaller model
+        of the same tokenizer; its cache has the same pages and page size, so
+        the two share page tables) or use_ngram_draft=True. Either drafts up to
+        num_draft_tokens per decoding job while at most max_speculative_batch
+        jobs decode (beyond that, decoding is compute-bound and drafts cost more
+        than they save)."""
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
@@ -109,10 +117,20 @@ class Generator:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
-        drafter = NgramDrafter(max_ngram, num_draft_tokens, model.config.vocab_size) if use_ngram_draft else None
+        if draft_model is not None:
+            if draft_cache is None or (draft_cache.num_pages, draft_cache.page_size) != (cache.num_pages, cache.page_size):
+                raise ValueError("draft_cache must have the main cache's number of pages and page size")
+            if draft_model.config.vocab_size != model.config.vocab_size:
+                raise ValueError(
+                    f"draft model vocab_size {draft_model.config.vocab_size} != main model's {model.config.vocab_size}"
+                )
+        self.draft_model = draft_model
+        self.draft_cache = draft_cache
+        self.ngram_drafter = NgramDrafter(max_ngram, num_draft_tokens, model.config.vocab_size) if use_ngram_draft else None
+        speculating = draft_model is not None or use_ngram_draft
         self.scheduler = Scheduler(
             self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips, prefix_caching,
-            drafter, max_speculative_batch,
+            num_draft_tokens if speculating else 0, max_speculative_batch,
         )
         self._sequences: dict[int, Sequence] = {}
         self._next_serial = 0
@@ -135,12 +153,14 @@ class Generator:
         page_size: int | None = None,
         cache_memory: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        draft_model_path: str | Path | None = None,
         **generator_options: Any,
     ) -> Generator:
         """Load model + tokenizer from an HF directory and size the paged cache
         from cache_tokens, else cache_memory bytes, else a device default
         (1 GiB on CPU, 85% of free memory on CUDA), never more than
-        max_batch_size * max_seq_len tokens would use."""
+        max_batch_size * max_seq_len tokens would use. draft_model_path loads a
+        draft model for speculative decoding, with a cache of the same pages."""
         device = torch.device(device)
         tokenizer = Tokenizer.from_dir(path)
         model = load_model(path, device, dtype, progress)
@@ -155,6 +175,12 @@ class Generator:
             cache_tokens = min(cache_memory // per_token, max_seq_len * max_batch)
         num_pages = max(1, -(-cache_tokens // page_size))
         cache = KVCache.allocate(model.config, num_pages, page_size, cache_dtype, device)
+        if draft_model_path is not None:
+            draft = load_model(draft_model_path, device, dtype)
+            generator_options["draft_model"] = draft
+            generator_options["draft_cache"] = KVCache.allocate(
+                draft.config, num_pages, page_size, draft.embed_tokens.weight.dtype, device
+            )
         log.info(
             "loaded %s (%s, %s) with a KV cache of %d pages x %d tokens (%.1f MiB)",
             path, model.config.family, cache_dtype, num_pages, page_size, num_pages * page_size * per_token / 2**20,
@@ -257,8 +283,13 @@ class Generator:
         if not schedule.scheduled:
             return results
         self._steps += 1
+        draft_probs = self._fill_drafts([item for item in schedule.scheduled if item.draft_room])
         batch = self._build_batch(schedule.scheduled)
         logits = self.model(batch, self.cache.k, self.cache.v)
+        if self.draft_model is not None and self.draft_cache is not None:
+            # the draft keeps K/V for every position the main model computed (same pages)
+            self.draft_model(replace(batch, logits_indices=batch.logits_indices[:0]), self.draft_cache.k,
+                             self.draft_cache.v)
         plain: list[tuple[Sequence, int]] = []
         speculated: list[tuple[Sequence, torch.Tensor]] = []
         row = 0
@@ -280,18 +311,74 @@ class Generator:
             tokens = sample(logits[[r for _, r in plain]], rows).tolist()
             emitted += [(s, [t]) for (s, _), t in zip(plain, tokens)]
         for sequence, rows_logits in speculated:
-            emitted.append((sequence, self._verify(sequence, rows_logits)))
+            emitted.append((sequence, self._verify(sequence, rows_logits, draft_probs.get(sequence.serial))))
         now = time.monotonic()
         for sequence, tokens in emitted:
             results.append(self._accept_tokens(sequence, tokens, now))
         return results
 
-    def _verify(self, sequence: Sequence, logits: torch.Tensor) -> list[int]:
+    def _fill_drafts(self, items: list[ScheduledSequence]) -> dict[int, torch.Tensor]:
+        """Draft tokens into the room the scheduler left; returns the draft
+        model's distributions for sampled jobs (verify needs q)."""
+        probs: dict[int, torch.Tensor] = {}
+        if not items:
+            return probs
+        if self.ngram_drafter is not None:
+            for item in items:
+                item.sequence.draft_ids = self.ngram_drafter(item.sequence)[: item.draft_room]
+        elif self.draft_model is not None and self.draft_cache is not None:
+            probs = self._draft_with_model(items, self.draft_model, self.draft_cache)
+        for item in items:
+            item.num_tokens = 1 + len(item.sequence.draft_ids)
+        return probs
+
+    @torch.inference_mode()
+    def _draft_with_model(
+        self, items: list[ScheduledSequence], draft_model: CausalLM, draft_cache: KVCache
+    ) -> dict[int, torch.Tensor]:
+        """Run the draft model autoregressively, one batched forward per draft
+        position, over the sequences' own pages in the draft cache."""
+        page_size = self.page_size
+        probs: dict[int, list[torch.Tensor]] = {item.sequence.serial: [] for item in items}
+        for step in range(max(item.draft_room for item in items)):
+            active = [item.sequence for item in items if item.draft_room > step]
+            ids, positions, slots, tables = [], [], [], []
+            width = max(len(s.pages) for s in active)
+            for sequence in active:
+                position = len(sequence.token_ids) - 1 + step
+                ids.append(sequence.draft_ids[-1] if step else sequence.token_ids[-1])
+                positions.append(position)
+                slots.append(sequence.pages[position // page_size] * page_size + position % page_size)
+                tables.append(sequence.pages + [sequence.pages[0]] * (width - len(sequence.pages)))
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids, device=self.device),
+                positions=torch.tensor(positions, device=self.device),
+                cu_seqlens_q=torch.arange(len(active) + 1, dtype=torch.int32, device=self.device),
+                context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=self.device),
+                page_table=torch.tensor(tables, dtype=torch.int32, device=self.device),
+                slot_mapping=torch.tensor(slots, device=self.device),
+                logits_indices=torch.arange(len(active), device=self.device),
+            )
+            logits = draft_model(batch, draft_cache.k, draft_cache.v)
+            rows = [self._sampling_row(s, s.draft_ids) for s in active]
+            greedy = [row.settings.is_greedy for row in rows]
+            q = sampling_probs(logits, rows)
+            tokens = sample(logits, rows).tolist() if all(greedy) else None
+            for i, sequence in enumerate(active):
+                if greedy[i]:
+                    token = int(q[i].argmax()) if tokens is None else tokens[i]
+                else:
+                    probs[sequence.serial].append(q[i])
+                    token = draw(q[i], sequence.rng)
+                sequence.draft_ids.append(token)
+        return {serial: torch.stack(q) for serial, q in probs.items() if q}
+
+    def _verify(self, sequence: Sequence, logits: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
         """Check a sequence's draft against the main model; keep the cache
         state of the accepted tokens only."""
         draft = sequence.draft_ids
         rows = [self._sampling_row(sequence, draft[:i]) for i in range(len(draft) + 1)]
-        tokens = verify(logits, rows, draft)
+        tokens = verify(logits, rows, draft, draft_probs)
         accepted = len(tokens) - 1
         sequence.accepted_draft_tokens += accepted
         sequence.rejected_draft_tokens += len(draft) - accepted

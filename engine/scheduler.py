@@ -27,7 +27,6 @@ it, so no job starves.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache import ROOT_HASH, PagePool, page_hash
@@ -36,8 +35,12 @@ from engine.sequence import Sequence
 
 @dataclass
 class ScheduledSequence:
+    """num_tokens this step; a decoding sequence may also have room (pages and
+    budget) for up to draft_room draft tokens, which the generator fills in."""
+
     sequence: Sequence
     num_tokens: int
+    draft_room: int = 0
 
     @property
     def samples(self) -> bool:
@@ -63,12 +66,12 @@ class Scheduler:
         max_chunk_size: int,
         max_skips: int = 16,
         prefix_caching: bool = True,
-        drafter: Callable[[Sequence], list[int]] | None = None,
+        num_draft_tokens: int = 0,
         max_speculative_batch: int = 0,
     ) -> None:
         self.pool = pool
         self.prefix_caching = prefix_caching
-        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
         self.max_speculative_batch = max_speculative_batch
         self.page_size = page_size
         self.max_batch_size = max_batch_size
@@ -98,19 +101,18 @@ class Scheduler:
         scheduled: set[int] = set()
 
         decoding = [s for s in self.running if s.num_uncomputed == 1]
-        drafter = self.drafter if len(decoding) <= self.max_speculative_batch else None
+        # Speculation pays while decoding is memory-bound; a large batch is compute-bound already.
+        drafts = self.num_draft_tokens if len(decoding) <= self.max_speculative_batch else 0
         for sequence in decoding:
             if budget == 0:
                 break
             if sequence.serial in scheduled or sequence not in self.running:
                 continue
-            sequence.draft_ids = self._draft(drafter, sequence, budget - 1) if drafter else []
-            if self._grow(sequence, len(sequence.token_ids) + len(sequence.draft_ids), scheduled, schedule):
-                self._schedule(sequence, 1 + len(sequence.draft_ids), schedule)
+            room = max(0, min(drafts, budget - 1, sequence.job.max_new_tokens - sequence.num_generated - 1))
+            if self._grow(sequence, len(sequence.token_ids) + room, scheduled, schedule):
+                self._schedule(sequence, 1 + room, schedule, draft_room=room)
                 scheduled.add(sequence.serial)
-                budget -= 1 + len(sequence.draft_ids)
-            else:
-                sequence.draft_ids = []
+                budget -= 1 + room
 
         for sequence in [s for s in self.running if s.num_uncomputed > 1]:
             if budget == 0:
@@ -125,13 +127,6 @@ class Scheduler:
 
         budget = self._admit(budget, schedule)
         return schedule
-
-    @staticmethod
-    def _draft(drafter: Callable[[Sequence], list[int]], sequence: Sequence, room: int) -> list[int]:
-        """Draft tokens for a decoding sequence, never more than it may still
-        generate after this step's token, nor than the step budget allows."""
-        limit = min(room, sequence.job.max_new_tokens - sequence.num_generated - 1)
-        return drafter(sequence)[: max(0, limit)] if limit > 0 else []
 
     def _admit(self, budget: int, schedule: Schedule) -> int:
         promised = sum(
@@ -191,9 +186,10 @@ class Scheduler:
             k = len(hashes)
             hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, tokens[k * size : (k + 1) * size]))
 
-    def _schedule(self, sequence: Sequence, num_tokens: int, schedule: Schedule) -> None:
-        """Add the sequence's next num_tokens to this step and name the pages they complete."""
-        schedule.scheduled.append(ScheduledSequence(sequence, num_tokens))
+    def _schedule(self, sequence: Sequence, num_tokens: int, schedule: Schedule, draft_room: int = 0) -> None:
+        """Add the sequence's next num_tokens to this step and name the pages its
+        known tokens complete (never pages that only draft tokens reach)."""
+        schedule.scheduled.append(ScheduledSequence(sequence, num_tokens, draft_room))
         if self.prefix_caching:
             known = min(sequence.num_computed + num_tokens, len(sequence.token_ids))
             full = known // self.page_size

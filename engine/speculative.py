@@ -80,8 +80,8 @@ def verify(
         if torch.rand((), generator=generator, device=generator.device).to(p.device) < keep:
             continue
         residual = torch.clamp(p - q, min=0.0)
-        return [*draft[:i], _draw(residual, generator)]
-    return [*draft, _draw(probs[len(draft)], generator)]
+        return [*draft[:i], draw(residual, generator)]
+    return [*draft, draw(probs[len(draft)], generator)]
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     """One token from unnormalised non-negative weights (inverse CDF)."""
     cdf = weights.cumsum(0)
     target = torch.rand((), generator=generator, device=generator.device).to(cdf.device) * cdf[-1]

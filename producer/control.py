@@ -5,6 +5,7 @@ at once by the worker generating it)."""
 from __future__ import annotations
 
 import redis
+import redis.asyncio
 
 from producer.protocol import (
     CANCEL_KEY_TTL_S,
@@ -21,3 +22,11 @@ def request_cancel(client: redis.Redis, identifier: str, prefix: str = DEFAULT_K
     pipe.set(cancel_key(identifier, prefix), CANCEL_KEY_VALUE, ex=CANCEL_KEY_TTL_S)
     pipe.publish(control_channel(prefix), cancel_message(identifier))
     pipe.execute()
+
+
+async def request_cancel_async(client: redis.asyncio.Redis, identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> None:
+    """request_cancel for asyncio callers (the gateway): the same two commands, in one transaction."""
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.set(cancel_key(identifier, prefix), CANCEL_KEY_VALUE, ex=CANCEL_KEY_TTL_S)
+        pipe.publish(control_channel(prefix), cancel_message(identifier))
+        await pipe.execute()

@@ -159,3 +159,46 @@ def test_verify_emits_tokens_from_the_target_distribution_whatever_the_draft(dra
         counts[verify(logits, rows, [draft_token])[0]] += 1
     statistic = sum((counts[t] - draws * p) ** 2 / (draws * p) for t, p in enumerate(target))
     assert statistic < chi_square_critical(3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_a_draft_model_equals_plain_greedy(
+    family: str, tiny_model_factory: Callable[..., Path]
+):
+    path = tiny_model_factory(family)
+    draft_path = tiny_model_factory(family, seed=7, num_hidden_layers=1)
+
+    def jobs() -> list[Job]:
+        return [Job(p, 24, stop_conditions=[], identifier=i) for i, p in enumerate(repetitive_prompts())]
+
+    plain = run(make(path), jobs())
+    for draft in (draft_path, path):
+        speculative = make(path, draft_model_path=draft, num_draft_tokens=3)
+        drafted = run(speculative, jobs())
+        assert {i: r["completion_ids"] for i, r in drafted.items()} == {
+            i: r["completion_ids"] for i, r in plain.items()
+        }
+        assert speculative.stats.drafted_tokens > 0
+        assert speculative.pool.num_free == speculative.pool.num_pages
+    # the main model as its own draft is the upper bound: every draft is accepted
+    assert speculative.stats.accepted_draft_tokens == speculative.stats.drafted_tokens
+
+
+def test_verify_with_a_draft_distribution_keeps_the_target_distribution():
+    import torch
+
+    from engine.sampling import SamplingRow
+    from engine.speculative import verify
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    target = torch.softmax(logits[0], dim=-1).tolist()
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    settings = SamplerSettings(temperature=1.0)
+    draws, counts = 6000, Counter()
+    for seed in range(draws):
+        generator = torch.Generator().manual_seed(seed)
+        drafted = int(torch.multinomial(q[0], 1, generator=generator))
+        rows = [SamplingRow(settings, [], [], generator), SamplingRow(settings, [], [drafted], generator)]
+        counts[verify(logits, rows, [drafted], q)[0]] += 1
+    statistic = sum((counts[t] - draws * p) ** 2 / (draws * p) for t, p in enumerate(target))
+    assert statistic < chi_square_critical(3)

@@ -274,10 +274,12 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
                         help="print the result as JSON (with --stream: every event, one JSON object a line)")
     submit.add_argument("--detach", action="store_true", help="print the request id on stdout and exit at once")
     submit.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, metavar="N", help="default 256")
-    submit.add_argument("--min-new-tokens", dest="min_new_tokens", type=int, metavar="N", help="stop tokens blocked until then")
+    submit.add_argument("--min-new-tokens", dest="min_new_tokens", type=int, metavar="N",
+                        help="stop tokens blocked until then")
     submit.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (the default)")
     submit.add_argument("--top-p", dest="top_p", type=float, metavar="P", help="nucleus sampling mass")
-    submit.add_argument("--top-k", dest="top_k", type=int, metavar="K", help="keep the K most likely tokens")
+    submit.add_argument("--top-k", dest="top_k", type=int, metavar="K",
+                        help="keep the K most likely tokens")
     submit.add_argument("--seed", type=int, metavar="N", help="same seed and request, same text")
     submit.add_argument("--stop", action="append", metavar="STR", help="a stop string (repeatable)")
     submit.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="do not stop at EOS")

@@ -1,0 +1,273 @@
+"""`genq submit | stream | cancel | result`: the producer side of the command line.
+
+worker/cli.py defines the options and imports this module only when one of
+these commands runs, so they never load torch or the worker.
+
+Exit codes, for scripts (worker/cli.py's --help says the same):
+
+    0  done: a stop condition or max_new_tokens ended the generation
+    1  the generation failed (the worker's message is on stderr)
+    2  usage or validation error (the protocol's message is on stderr)
+    3  cancelled
+    4  timed out: the request's deadline passed, or no result within the wait
+    5  cannot reach Redis (or the broker)
+  130  interrupted (Ctrl-C); `genq submit` cancels its request first
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+from kombu.exceptions import OperationalError
+from kombu.utils.url import maybe_sanitize_url
+
+from producer.client import GenerationError, GenerationHandle, GenqClient, StreamRestarted, TextAssembler
+from producer.protocol import GenerationResult, ProtocolError, StreamEvent
+
+EXIT_DONE = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_CANCELLED = 3
+EXIT_TIMEOUT = 4
+EXIT_UNREACHABLE = 5
+EXIT_INTERRUPTED = 130
+
+EXIT_BY_FINISH_REASON = {"stop": EXIT_DONE, "length": EXIT_DONE, "deadline": EXIT_TIMEOUT,
+                         "cancelled": EXIT_CANCELLED, "error": EXIT_FAILED}
+TIMEOUT_GRACE_S = 10.0
+"""`submit --timeout S` makes S the request's deadline, and waits S plus this much for its end
+(a worker that stops at the deadline still has to report it)."""
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")
+REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority")
+
+
+class UsageError(Exception):
+    """A command-line input that cannot become a request (unreadable file, malformed list)."""
+
+
+# --- Commands ----------------------------------------------------------------------
+
+
+def submit_command(args: argparse.Namespace) -> int:
+    return _run(args, _submit)
+
+
+def stream_command(args: argparse.Namespace) -> int:
+    return _run(args, _stream)
+
+
+def cancel_command(args: argparse.Namespace) -> int:
+    return _run(args, _cancel)
+
+
+def result_command(args: argparse.Namespace) -> int:
+    return _run(args, _result)
+
+
+def _run(args: argparse.Namespace, command: Callable[[GenqClient, argparse.Namespace], int]) -> int:
+    """Run a command with a client, turning the failures every command shares into exit codes."""
+    url = args.redis_url
+    try:
+        with GenqClient(redis_url=url, queue=getattr(args, "queue", None)) as client:
+            url = client.settings.redis_url
+            return command(client, args)
+    except (ProtocolError, UsageError) as error:
+        _say(f"error: {error}")
+        return EXIT_USAGE
+    except GenerationError as error:
+        _end_line()
+        _say(f"error: request {error.identifier} failed: {error.message}")
+        return EXIT_FAILED
+    except (redis.ConnectionError, redis.TimeoutError, OperationalError) as error:
+        _say(f"error: cannot reach Redis at {maybe_sanitize_url(url or '(GENQ_REDIS_URL)')}: {error}")
+        return EXIT_UNREACHABLE
+    except TimeoutError as error:
+        _end_line()
+        _say(f"error: {error}")
+        return EXIT_TIMEOUT
+    except KeyboardInterrupt:
+        _end_line()
+        return EXIT_INTERRUPTED
+
+
+def _submit(client: GenqClient, args: argparse.Namespace) -> int:
+    request = request_from_args(args)
+    wait = None
+    if args.timeout is not None:
+        request["deadline"] = time.time() + args.timeout
+        wait = args.timeout + TIMEOUT_GRACE_S
+    handle = client.submit(request)
+    if args.detach:
+        handle.close()
+        print(handle.id)
+        return EXIT_DONE
+    _say(handle.id)
+    try:
+        if args.stream:
+            return _follow(handle, wait, args.json)
+        return _print_result(handle.result(timeout=wait), args.json)
+    except TimeoutError:
+        handle.cancel()  # nobody is left to read it
+        raise
+    except KeyboardInterrupt:
+        handle.cancel()
+        _end_line()
+        _say(f"interrupted: cancelled {handle.id}")
+        return EXIT_INTERRUPTED
+
+
+def _stream(client: GenqClient, args: argparse.Namespace) -> int:
+    return _follow(client.handle(args.id), args.timeout, args.json)
+
+
+def _cancel(client: GenqClient, args: argparse.Namespace) -> int:
+    client.cancel(args.id)
+    _say(f"cancel requested for {args.id}")
+    return EXIT_DONE
+
+
+def _result(client: GenqClient, args: argparse.Namespace) -> int:
+    handle = client.handle(args.id)
+    try:
+        outcome = handle.result(timeout=args.wait)
+    except TimeoutError:
+        state = handle.state
+        hint = " (an unknown id, or still queued)" if state == "PENDING" else ""
+        _say(f"error: {args.id} has not finished within {args.wait:g} s: state {state}{hint}")
+        return EXIT_TIMEOUT
+    return _print_result(outcome, args.json)
+
+
+# --- Building the request ----------------------------------------------------------
+
+
+def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The request the options describe; only what was given, so the protocol's defaults apply
+    and its validation (exactly one input, ranges) speaks for itself."""
+    request: dict[str, Any] = {}
+    if args.prompt is not None:
+        request["prompt"] = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.messages is not None:
+        request["messages"] = _load_messages(args.messages)
+    if args.input_ids is not None:
+        request["input_ids"] = _parse_token_ids(args.input_ids)
+    request.update({name: getattr(args, name) for name in REQUEST_OPTIONS if getattr(args, name) is not None})
+    sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    if sampling:
+        request["sampling"] = sampling
+    if args.stop:
+        request["stop"] = args.stop
+    if args.ignore_eos:
+        request["ignore_eos"] = True
+    if args.id is not None:
+        request["identifier"] = args.id
+    return request
+
+
+def _load_messages(path: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        return json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"--messages {path}: {error}") from None
+
+
+def _parse_token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--input-ids: expected comma-separated integers such as 1,2,3, got {text!r}") from None
+
+
+# --- Output ----------------------------------------------------------------------
+
+
+def _follow(handle: GenerationHandle, timeout: float | None, as_json: bool) -> int:
+    """Print a request's text as it arrives (or its events as JSON lines); a status line at the end."""
+    assembler = TextAssembler(handle.id)
+    final: StreamEvent | None = None
+    for event in handle.events(timeout=timeout):
+        if event.is_terminal:
+            final = event
+        if as_json:
+            print(event.to_json(), flush=True)
+            if event.event == "error":
+                raise GenerationError(event.error or "the generation failed", handle.id)
+        else:
+            _write(_next_text(assembler, event))
+    assert final is not None  # events() ends only after a final event
+    _end_line()
+    _say(status_line(final))
+    return EXIT_BY_FINISH_REASON[final.finish_reason or "error"]
+
+
+def _next_text(assembler: TextAssembler, event: StreamEvent) -> str:
+    """A redelivered request whose new attempt differs cannot be unprinted: say so, start over."""
+    try:
+        return assembler.feed(event)
+    except StreamRestarted:
+        _end_line()
+        _say(f"[attempt {event.attempt}: the task was redelivered and generates a different text; restarting]")
+        return assembler.reset()
+
+
+def status_line(event: StreamEvent) -> str:
+    """One line about how a request ended: `[done: length] 16 tokens in 0.21 s ...`."""
+    parts = [f"[{event.event}: {event.finish_reason}]"]
+    if event.usage is not None and event.timings is not None:
+        usage, timings = event.usage, event.timings
+        rate = usage.completion_tokens / timings.generate_s if timings.generate_s > 0 else 0.0
+        parts.append(f"{usage.completion_tokens} tokens in {timings.generate_s:.2f} s ({rate:.1f} tokens/s);"
+                     f" prompt {usage.prompt_tokens} tokens, {usage.cached_tokens} cached;"
+                     f" queued {timings.queued_s:.2f} s, prefill {timings.prefill_s:.2f} s;")
+    parts.append(f"id {event.id}, attempt {event.attempt}")
+    return " ".join(parts)
+
+
+def _print_result(result: GenerationResult, as_json: bool) -> int:
+    if as_json:
+        print(result.model_dump_json(), flush=True)
+    else:
+        _write(result.text)
+        _end_line()
+    if result.finish_reason == "cancelled":
+        _say(f"[cancelled] {result.id}: {result.usage.completion_tokens} tokens generated before")
+    elif result.finish_reason == "deadline":
+        _say(f"[deadline] {result.id}: the deadline passed after {result.usage.completion_tokens} tokens")
+    return EXIT_BY_FINISH_REASON[result.finish_reason]
+
+
+class _Stdout:
+    """The generated text exactly as generated (a pipe gets the result text byte for byte); on a
+    terminal only, the last line is ended so that a shell prompt does not follow it."""
+
+    def __init__(self) -> None:
+        self.line_open = False
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.line_open and sys.stdout.isatty():
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        self.line_open = False
+
+
+_stdout = _Stdout()
+_write = _stdout.write
+_end_line = _stdout.end_line
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,789 @@
+"""The genq client library: send generation requests, follow their events, get results.
+
+Sync (GenqClient) and asyncio (AsyncGenqClient) flavours share one API::
+
+    with GenqClient() as client:                       # GENQ_REDIS_URL, GENQ_QUEUE, ... or arguments
+        handle = client.submit({"prompt": "Once upon a time", "max_new_tokens": 64})
+        for text in handle.stream():
+            print(text, end="", flush=True)
+        result = handle.result()                       # GenerationResult; GenerationError on failure
+
+How nothing is missed (docs/protocol.md, section 5): a handle SUBSCRIBEs to the
+request's channel (submit() does it before sending the task), then reads the
+replay stream, then takes live messages, de-duplicated by (attempt, seq). The
+stream is the source of truth and the channel a low-latency copy of it: a live
+event that skips ahead (pub/sub lost something), a dropped connection (the
+handle resubscribes by itself) or a silent channel (re-read every few seconds)
+all send the reader back to the stream, from the last entry it read. Results
+come from the Celery result backend.
+
+Only celery, redis-py and pydantic are imported: no torch, no worker code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import redis.asyncio
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from pydantic import ValidationError
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from producer.control import request_cancel, request_cancel_async
+from producer.protocol import (
+    STREAM_FIELD,
+    TASK_NAME,
+    GenerationRequest,
+    GenerationResult,
+    ProtocolError,
+    StreamEvent,
+    channel_name,
+    control_channel,
+    stream_key,
+)
+from producer.settings import ClientSettings
+
+__all__ = [
+    "AsyncGenerationHandle",
+    "AsyncGenqClient",
+    "GenerationError",
+    "GenerationHandle",
+    "GenqClient",
+    "RequestLike",
+    "StreamRestarted",
+    "TextAssembler",
+    "make_celery",
+]
+
+log = logging.getLogger(__name__)
+
+PRIORITY_STEPS = list(range(10))
+"""Ten Redis priority levels, 0 served first: the workers' setting (worker/app.py); a producer must
+use the same, or kombu files its messages under lists the workers do not read in the same order."""
+POLL_INTERVAL_S = 5.0
+"""After this long without a live message a reader re-reads the replay stream: it never depends on
+pub/sub (at-most-once) to learn that a request ended."""
+RECONNECT_WINDOW_S = 30.0
+"""How long a reader keeps trying to resubscribe after losing its connection before it gives up."""
+CONNECT_TIMEOUT_S = 5.0
+PUBSUB_CLIENT_NAME = "genq-producer-pubsub"
+"""CLIENT SETNAME of the connections that follow streams, to tell them apart in CLIENT LIST."""
+_RESERVED_OPTIONS = frozenset({"args", "kwargs", "queue", "task_id", "priority", "producer"})
+
+RequestLike = GenerationRequest | Mapping[str, Any]
+EventKey = tuple[int, int]
+"""(attempt, seq): an event's identity, and the resume point of events(after=...)."""
+
+
+class GenerationError(RuntimeError):
+    """The request failed or was refused by the worker; the message is the worker's own."""
+
+    def __init__(self, message: str, identifier: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.identifier = identifier
+
+
+class StreamRestarted(RuntimeError):
+    """The task was redelivered (a worker died) and the new attempt's text differs from the text
+    already yielded by stream(): that text is void. result() or events() give the new attempt."""
+
+    def __init__(self, identifier: str, attempt: int) -> None:
+        super().__init__(f"request {identifier}: attempt {attempt} generated a different text from the start; "
+                         "the text streamed so far is void")
+        self.identifier = identifier
+        self.attempt = attempt
+
+
+# --- Configuration -------------------------------------------------------------
+
+
+def _settings(**overrides: Any) -> ClientSettings:
+    """Arguments win over GENQ_* variables, which win over the defaults."""
+    settings = ClientSettings(**{name: value for name, value in overrides.items() if value is not None})
+    control_channel(settings.key_prefix)  # a bad prefix fails here, not at the first request
+    return settings
+
+
+def make_celery(settings: ClientSettings) -> Celery:
+    """A Celery app that only sends genq tasks and reads their results (it registers no task).
+
+    JSON only, as on the workers; task-sent events let Flower show queued tasks; the broker
+    transport options match worker/app.py so priorities land where the workers look."""
+    app = Celery("genq-client", broker=settings.broker, backend=settings.backend, set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_send_sent_event=True,
+        task_default_queue=settings.queue,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_s,
+            "priority_steps": PRIORITY_STEPS,
+            "queue_order_strategy": "priority",
+        },
+        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+    )
+    return app
+
+
+def _redis_options() -> dict[str, Any]:
+    return {"decode_responses": True, "socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True}
+
+
+def _pubsub_options(retry: Retry | AsyncRetry) -> dict[str, Any]:
+    """redis-py would silently reconnect and resubscribe a pub/sub connection, losing whatever was
+    published meanwhile without telling anyone. With retries off the error reaches the reader,
+    which resubscribes AND re-reads the replay stream."""
+    return {**_redis_options(), "retry": retry, "client_name": PUBSUB_CLIENT_NAME}
+
+
+# --- Requests --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated request, ready for send_task."""
+
+    identifier: str
+    kwargs: dict[str, Any]
+    priority: int | None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _prepare(request: RequestLike, identifier: str | None, options: Mapping[str, Any]) -> _Prepared:
+    """Validate before sending: a bad request is refused here with the worker's own wording."""
+    if isinstance(request, GenerationRequest):
+        payload = request.to_kwargs()
+    elif isinstance(request, Mapping):
+        payload = dict(request)
+    else:
+        raise ProtocolError([f"request: must be a GenerationRequest or a mapping, got {type(request).__name__}"])
+    given = payload.get("identifier")
+    if given is not None and identifier is not None and given != identifier:
+        raise ProtocolError([f"identifier: given twice with different values: {given!r} in the request, "
+                             f"{identifier!r} as an argument"])
+    if given is None:
+        payload["identifier"] = identifier if identifier is not None else uuid.uuid4().hex
+    reserved = sorted(_RESERVED_OPTIONS & options.keys())
+    if reserved:
+        raise TypeError(f"send_task options set by the client itself: {', '.join(reserved)}")
+    validated = GenerationRequest.parse_payload(payload)
+    return _Prepared(payload["identifier"], validated.to_kwargs(), validated.priority, dict(options))
+
+
+def _prepare_many(requests: Iterable[RequestLike]) -> list[_Prepared]:
+    """Every request is validated before any is sent, so a bad one sends none."""
+    prepared = [_prepare(request, None, {}) for request in requests]
+    counts = Counter(item.identifier for item in prepared)
+    duplicates = sorted(identifier for identifier, count in counts.items() if count > 1)
+    if duplicates:
+        raise ProtocolError([f"identifier: used by more than one request: {', '.join(duplicates)}"])
+    return prepared
+
+
+def _send(app: Celery, queue: str, prepared: _Prepared, producer: Any = None) -> None:
+    # The Celery priority orders the broker queue; the field tells the worker (docs/protocol.md, 7).
+    app.send_task(TASK_NAME, kwargs=prepared.kwargs, queue=queue, task_id=prepared.identifier,
+                  priority=prepared.priority, producer=producer, **prepared.options)
+
+
+def _send_many(app: Celery, queue: str, prepared: list[_Prepared]) -> None:
+    """All messages over one broker connection."""
+    with app.producer_or_acquire() as producer:
+        for item in prepared:
+            _send(app, queue, item, producer)
+
+
+# --- Results -----------------------------------------------------------------------
+
+
+def _failure_message(error: object) -> str:
+    """The worker's message: Celery rebuilds the stored exception with it as its only argument."""
+    return str(error) or type(error).__name__
+
+
+def _outcome(identifier: str, state: str, value: object) -> GenerationResult:
+    if state == "SUCCESS":
+        return GenerationResult.from_dict(value)  # type: ignore[arg-type]
+    if state == "FAILURE":
+        raise GenerationError(_failure_message(value), identifier)
+    raise GenerationError(f"the task ended in state {state}", identifier)
+
+
+def _fetch_outcome(app: Celery, identifier: str, timeout: float | None) -> GenerationResult:
+    """Wait for the task's outcome in the result backend; timeout <= 0 looks once.
+
+    The AsyncResult is made here, in the calling thread: Celery's backend object is per thread
+    and a Redis backend's result consumer must not be shared between threads."""
+    async_result = app.AsyncResult(identifier)
+    if timeout is not None and timeout <= 0:
+        ready = async_result.ready()
+    else:
+        try:
+            async_result.get(timeout=timeout, propagate=False, disable_sync_subtasks=False)
+            ready = True
+        except CeleryTimeoutError:
+            ready = False
+    if not ready:
+        raise TimeoutError(f"request {identifier}: no result within {timeout} s (state {async_result.state})")
+    return _outcome(identifier, async_result.state, async_result.result)
+
+
+def _final_event_from_backend(app: Celery, identifier: str) -> StreamEvent | None:
+    """The outcome of a finished request as its final event, for when its replay stream has
+    expired (docs/protocol.md, section 5): the result backend keeps outcomes longer."""
+    async_result = app.AsyncResult(identifier)
+    if not async_result.ready():
+        return None
+    try:
+        result = _outcome(identifier, async_result.state, async_result.result)
+    except GenerationError as error:
+        return StreamEvent(id=identifier, seq=0, attempt=1, event="error", finish_reason="error",
+                           error=error.message)
+    kind = "cancelled" if result.finish_reason == "cancelled" else "done"
+    return StreamEvent(id=identifier, seq=0, attempt=result.attempt, event=kind, text=result.text,
+                       finish_reason=result.finish_reason, usage=result.usage, timings=result.timings)
+
+
+# --- Putting the replay stream and the live channel together ----------------------
+
+
+def _decode(data: str, source: str) -> StreamEvent | None:
+    try:
+        return StreamEvent.from_json(data)
+    except ValidationError as error:
+        log.warning("ignoring a malformed event from the %s: %s", source, error)
+        return None
+
+
+def _replay_start(last_entry_id: str | None) -> str:
+    """XRANGE's start: everything, or everything after the last entry read (exclusive range)."""
+    return "-" if last_entry_id is None else f"({last_entry_id}"
+
+
+def _from_entries(entries: list[tuple[str, Mapping[str, str]]]) -> list[StreamEvent]:
+    events = (_decode(fields.get(STREAM_FIELD, ""), "replay stream") for _, fields in entries)
+    return [event for event in events if event is not None]
+
+
+class _Follower:
+    """The de-duplicating, ordering state of one reader (no I/O: the sync and async handles share it).
+
+    cursor is the (attempt, seq) of the last event handed out. Replay events are taken as they
+    come (a gap in the stream cannot be filled from anywhere); a live event that is not the next
+    one is a sign that pub/sub lost something, and the caller re-reads the stream first."""
+
+    def __init__(self, after: EventKey | None) -> None:
+        self.cursor = after
+        self.last_entry_id: str | None = None
+        self.finished = False
+
+    def _is_old(self, event: StreamEvent) -> bool:
+        return self.cursor is not None and (event.attempt, event.seq) <= self.cursor
+
+    def skips_ahead(self, event: StreamEvent) -> bool:
+        """Whether a live event leaves a hole after the cursor (a new attempt starts at seq 0)."""
+        if self._is_old(event):
+            return False
+        if self.cursor is None:
+            return event.seq != 0
+        attempt, seq = self.cursor
+        return not ((event.attempt == attempt and event.seq == seq + 1) or (event.attempt > attempt and event.seq == 0))
+
+    def take(self, event: StreamEvent, newest_attempt: int = 0) -> bool:
+        """Whether the event is new; if so it becomes the cursor. The request is finished at a final
+        event of the newest attempt known, new or already seen (a resume right after the end)."""
+        if self.finished:
+            return False
+        fresh = not self._is_old(event)
+        if fresh:
+            self.cursor = (event.attempt, event.seq)
+        if event.is_terminal and event.attempt >= max(newest_attempt, self.cursor[0] if self.cursor else 0):
+            self.finished = True
+        return fresh
+
+    def replayed(self, events: list[StreamEvent], last_entry_id: str | None) -> list[StreamEvent]:
+        """The new events among replayed ones. A final event followed by a newer attempt in the same
+        read does not end the request (an identifier reused, or a requeue racing the reader)."""
+        if last_entry_id is not None:
+            self.last_entry_id = last_entry_id
+        newest = max((event.attempt for event in events), default=0)
+        return [event for event in events if self.take(event, newest)]
+
+
+def _live_event(message: Mapping[str, Any] | None) -> StreamEvent | None:
+    if message is None or message.get("type") != "message":
+        return None
+    return _decode(message["data"], "channel")
+
+
+def _wait_for(idle_since: float, timeout: float | None, identifier: str) -> float:
+    """How long the next read may block: the poll interval, bounded by the idle timeout left."""
+    if timeout is None:
+        return POLL_INTERVAL_S
+    remaining = timeout - (time.monotonic() - idle_since)
+    if remaining <= 0:
+        raise TimeoutError(f"request {identifier}: no event within {timeout} s")
+    return min(POLL_INTERVAL_S, remaining)
+
+
+class TextAssembler:
+    """Turns events into the text to show, once, for stream() and the CLI.
+
+    When a task is redelivered its new attempt generates from the start. For a greedy or seeded
+    request the new attempt regenerates the same text: the part already shown is checked and
+    withheld, and the stream continues where it was. If the new attempt differs, feed() raises
+    StreamRestarted; reset() then makes the new attempt's text so far the shown text."""
+
+    def __init__(self, identifier: str) -> None:
+        self.identifier = identifier
+        self._shown: list[str] = []
+        self._shown_len = 0
+        self._attempt = 0
+        self._attempt_parts: list[str] = []
+        self._attempt_len = 0
+
+    def feed(self, event: StreamEvent) -> str:
+        """The text this event adds to what was shown; raises GenerationError on an error event."""
+        if event.event == "error":
+            raise GenerationError(event.error or "the generation failed", self.identifier)
+        if event.attempt != self._attempt:
+            self._attempt, self._attempt_parts, self._attempt_len = event.attempt, [], 0
+        if event.event == "chunk":
+            new = event.text
+        elif event.is_terminal:
+            new = event.text[self._attempt_len:]  # the whole text: what no chunk carried (stream disabled)
+        else:
+            return ""
+        start = self._attempt_len
+        self._attempt_parts.append(new)
+        self._attempt_len += len(new)
+        overlap = min(len(new), self._shown_len - start)
+        if overlap > 0:
+            if new[:overlap] != self._shown_text()[start:start + overlap]:
+                raise StreamRestarted(self.identifier, event.attempt)
+            new = new[overlap:]
+        if new:
+            self._shown.append(new)
+            self._shown_len += len(new)
+        return new
+
+    def reset(self) -> str:
+        """After StreamRestarted: the current attempt's text so far, now counted as shown."""
+        text = "".join(self._attempt_parts)
+        self._shown, self._shown_len = [text], len(text)
+        return text
+
+    def _shown_text(self) -> str:
+        if len(self._shown) > 1:
+            self._shown = ["".join(self._shown)]
+        return self._shown[0] if self._shown else ""
+
+
+# --- Sync client ---------------------------------------------------------------------
+
+
+class GenerationHandle:
+    """One request, by identifier: its events, text, result and cancellation.
+
+    A handle from submit() holds a subscription made before the task was sent; the first
+    events()/stream() call takes it over, and result() or close() releases it. Without one
+    (handle(), submit_many()) events() subscribes first and then replays, which misses nothing
+    either. Iterating the same handle twice, or from two threads, is fine: each iteration
+    has its own subscription and starts from the beginning (or `after`)."""
+
+    def __init__(self, client: GenqClient, identifier: str, pubsub: redis.client.PubSub | None = None,
+                 *, submitted: bool = False) -> None:
+        self.id = identifier
+        self._client = client
+        self._pubsub = pubsub
+        self._fresh = submitted  # just sent: its stream cannot have expired yet
+
+    def events(self, timeout: float | None = None, after: EventKey | None = None) -> Iterator[StreamEvent]:
+        """Every event once, in order, until the final event (done, error, cancelled) of the newest
+        attempt. `after` is the (attempt, seq) of the last event already seen: resume after it.
+
+        A redelivered request's events come too, with a higher `attempt` and seq from 0 again:
+        its text starts over (see TextAssembler). timeout: seconds without any event before
+        TimeoutError (None: wait as long as it takes; an unknown identifier waits forever)."""
+        follower = _Follower(after)
+        pubsub, self._pubsub = self._pubsub, None
+        check_backend, self._fresh = not self._fresh, False
+        if pubsub is None:
+            pubsub = self._client._subscribe(self.id)
+        try:
+            yield from self._replay(follower, check_backend)
+            idle_since = time.monotonic()
+            while not follower.finished:
+                try:
+                    message = pubsub.get_message(timeout=_wait_for(idle_since, timeout, self.id))
+                except (redis.ConnectionError, redis.TimeoutError):
+                    log.info("request %s: lost the channel connection, resubscribing", self.id)
+                    pubsub.close()
+                    pubsub = self._client._resubscribe(self.id)
+                    message = None
+                for event in self._next_events(follower, message):
+                    yield event
+                    idle_since = time.monotonic()
+        finally:
+            pubsub.close()
+
+    def _next_events(self, follower: _Follower, message: Mapping[str, Any] | None) -> list[StreamEvent]:
+        """What a live message (or its absence: silence, a reconnect) adds, in order."""
+        event = _live_event(message)
+        if event is None or follower.skips_ahead(event):
+            fresh = self._replay(follower)
+            return fresh + [event] if event is not None and follower.take(event) else fresh
+        return [event] if follower.take(event) else []
+
+    def _replay(self, follower: _Follower, check_backend: bool = False) -> list[StreamEvent]:
+        """The new events in the replay stream; check_backend: if it is empty, ask the result backend
+        whether the request finished long ago (its stream expired)."""
+        key = stream_key(self.id, self._client.key_prefix)
+        entries = self._client.redis.xrange(key, min=_replay_start(follower.last_entry_id))
+        if check_backend and not entries:
+            final = _final_event_from_backend(self._client.celery, self.id)
+            if final is not None:
+                # The worker writes the stream before the result: re-read, in case it just finished.
+                entries = self._client.redis.xrange(key)
+                if not entries:
+                    return follower.replayed([final], None)
+        return follower.replayed(_from_entries(entries), entries[-1][0] if entries else None)
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """The generated text, piece by piece as it arrives; concatenated, the final text.
+
+        Raises GenerationError if the generation fails, StreamRestarted if a redelivered attempt
+        generates a different text (a greedy or seeded request regenerates the same one and the
+        stream simply continues). A cancelled request ends with the text generated so far."""
+        assembler = TextAssembler(self.id)
+        for event in self.events(timeout):
+            text = assembler.feed(event)
+            if text:
+                yield text
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """The outcome from the result backend: a GenerationResult (a cancelled request's too, with
+        finish_reason "cancelled"); GenerationError with the worker's message if it failed;
+        TimeoutError if not finished within timeout (<= 0: look once, don't wait)."""
+        self.close()
+        return _fetch_outcome(self._client.celery, self.id, timeout)
+
+    def cancel(self) -> None:
+        self._client.cancel(self.id)
+
+    @property
+    def state(self) -> str:
+        """The Celery task state: PENDING (queued, or unknown), STARTED, SUCCESS, FAILURE."""
+        return self._client.celery.AsyncResult(self.id).state
+
+    def close(self) -> None:
+        """Release the subscription submit() made, if events() has not taken it over."""
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            pubsub.close()
+
+    def __enter__(self) -> GenerationHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GenerationHandle({self.id!r})"
+
+
+class GenqClient:
+    """Sends `genq.generate` tasks and follows them. Thread-safe: share one per process.
+
+    Arguments left out come from GENQ_REDIS_URL, GENQ_BROKER_URL, GENQ_RESULT_BACKEND,
+    GENQ_QUEUE, GENQ_KEY_PREFIX and GENQ_VISIBILITY_TIMEOUT_S, as on the workers."""
+
+    def __init__(self, redis_url: str | None = None, *, broker_url: str | None = None,
+                 result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None) -> None:
+        self.settings = _settings(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend,
+                                  queue=queue, key_prefix=key_prefix)
+        self.queue = self.settings.queue
+        self.key_prefix = self.settings.key_prefix
+        self.celery = make_celery(self.settings)
+        self.redis = redis.Redis.from_url(self.settings.redis_url, **_redis_options())
+        self._pubsub_redis = redis.Redis.from_url(self.settings.redis_url, **_pubsub_options(Retry(NoBackoff(), 0)))
+
+    def submit(self, request: RequestLike, *, identifier: str | None = None, **options: Any) -> GenerationHandle:
+        """Validate (ProtocolError if invalid), subscribe to the request's channel, send the task.
+
+        The identifier is the request's, else `identifier`, else a new UUID; it is also the Celery
+        task id. `options` go to Celery's send_task (link, link_error, headers, ...)."""
+        prepared = _prepare(request, identifier, options)
+        pubsub = self._subscribe(prepared.identifier)
+        try:
+            _send(self.celery, self.queue, prepared)
+        except BaseException:
+            pubsub.close()
+            raise
+        return GenerationHandle(self, prepared.identifier, pubsub, submitted=True)
+
+    def submit_many(self, requests: Iterable[RequestLike]) -> list[GenerationHandle]:
+        """Bulk submit over one broker connection; all are validated before any is sent. The handles
+        subscribe when iterated (the replay stream covers what came before)."""
+        prepared = _prepare_many(requests)
+        _send_many(self.celery, self.queue, prepared)
+        return [GenerationHandle(self, item.identifier, submitted=True) for item in prepared]
+
+    def handle(self, identifier: str) -> GenerationHandle:
+        """Attach to a request sent by anyone: its events from the start, its result, cancel."""
+        channel_name(identifier, self.key_prefix)  # ProtocolError for an unusable identifier
+        return GenerationHandle(self, identifier)
+
+    def cancel(self, identifier: str) -> None:
+        """Cancel a queued or running request (a no-op for a finished or unknown one)."""
+        request_cancel(self.redis, identifier, self.key_prefix)
+
+    def close(self) -> None:
+        self._pubsub_redis.close()
+        self.redis.close()
+        self.celery.close()
+
+    def __enter__(self) -> GenqClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _subscribe(self, identifier: str) -> redis.client.PubSub:
+        """SUBSCRIBE and wait for Redis to confirm it: only then is nothing published missed."""
+        channel = channel_name(identifier, self.key_prefix)
+        pubsub = self._pubsub_redis.pubsub()
+        try:
+            pubsub.subscribe(channel)
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
+            while (message := pubsub.get_message(timeout=max(0.0, deadline - time.monotonic()))) is None:
+                if time.monotonic() >= deadline:
+                    raise redis.TimeoutError(f"no SUBSCRIBE confirmation for {channel} in {CONNECT_TIMEOUT_S} s")
+            if message["type"] != "subscribe":
+                raise redis.ResponseError(f"unexpected reply to SUBSCRIBE {channel}: {message!r}")
+        except BaseException:
+            pubsub.close()
+            raise
+        return pubsub
+
+    def _resubscribe(self, identifier: str) -> redis.client.PubSub:
+        """Subscribe again after a lost connection, with backoff, for up to RECONNECT_WINDOW_S."""
+        give_up = time.monotonic() + RECONNECT_WINDOW_S
+        delay = 0.05
+        while True:
+            try:
+                return self._subscribe(identifier)
+            except (redis.ConnectionError, redis.TimeoutError):
+                if time.monotonic() + delay > give_up:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+
+# --- asyncio client ----------------------------------------------------------------
+
+
+class AsyncGenerationHandle:
+    """GenerationHandle for asyncio: the same methods, awaited; state() is a coroutine method.
+
+    Pub/sub and streams go through redis.asyncio; only Celery's blocking calls run in a thread."""
+
+    def __init__(self, client: AsyncGenqClient, identifier: str,
+                 pubsub: redis.asyncio.client.PubSub | None = None, *, submitted: bool = False) -> None:
+        self.id = identifier
+        self._client = client
+        self._pubsub = pubsub
+        self._fresh = submitted  # just sent: its stream cannot have expired yet
+        self._finished = False
+
+    async def events(self, timeout: float | None = None, after: EventKey | None = None
+                     ) -> AsyncIterator[StreamEvent]:
+        """See GenerationHandle.events."""
+        follower = _Follower(after)
+        pubsub, self._pubsub = self._pubsub, None
+        check_backend, self._fresh = not self._fresh, False
+        if pubsub is None:
+            pubsub = await self._client._subscribe(self.id)
+        try:
+            for event in await self._replay(follower, check_backend):
+                yield event
+            idle_since = time.monotonic()
+            while not follower.finished:
+                try:
+                    message = await pubsub.get_message(timeout=_wait_for(idle_since, timeout, self.id))
+                except (redis.ConnectionError, redis.TimeoutError):
+                    log.info("request %s: lost the channel connection, resubscribing", self.id)
+                    await pubsub.aclose()
+                    pubsub = await self._client._resubscribe(self.id)
+                    message = None
+                for event in await self._next_events(follower, message):
+                    yield event
+                    idle_since = time.monotonic()
+            self._finished = True
+        finally:
+            await pubsub.aclose()
+
+    async def _next_events(self, follower: _Follower, message: Mapping[str, Any] | None) -> list[StreamEvent]:
+        event = _live_event(message)
+        if event is None or follower.skips_ahead(event):
+            fresh = await self._replay(follower)
+            return fresh + [event] if event is not None and follower.take(event) else fresh
+        return [event] if follower.take(event) else []
+
+    async def _replay(self, follower: _Follower, check_backend: bool = False) -> list[StreamEvent]:
+        """See GenerationHandle._replay."""
+        key = stream_key(self.id, self._client.key_prefix)
+        entries = await self._client.redis.xrange(key, min=_replay_start(follower.last_entry_id))
+        if check_backend and not entries:
+            final = await asyncio.to_thread(_final_event_from_backend, self._client.celery, self.id)
+            if final is not None:
+                entries = await self._client.redis.xrange(key)
+                if not entries:
+                    return follower.replayed([final], None)
+        return follower.replayed(_from_entries(entries), entries[-1][0] if entries else None)
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
+        """See GenerationHandle.stream."""
+        assembler = TextAssembler(self.id)
+        async for event in self.events(timeout):
+            text = assembler.feed(event)
+            if text:
+                yield text
+
+    async def result(self, timeout: float | None = None) -> GenerationResult:
+        """See GenerationHandle.result. Waits for the final event on the channel first, so that a
+        thread blocks on the result backend only for the moment the result takes to arrive."""
+        if timeout is not None and timeout <= 0:
+            await self.close()
+            return await asyncio.to_thread(_fetch_outcome, self._client.celery, self.id, 0)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._finished:
+            try:
+                async with asyncio.timeout(timeout):
+                    async for _ in self.events():
+                        pass
+            except TimeoutError:
+                raise TimeoutError(f"request {self.id}: no result within {timeout} s") from None
+        remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+        return await asyncio.to_thread(_fetch_outcome, self._client.celery, self.id, remaining)
+
+    async def cancel(self) -> None:
+        await self._client.cancel(self.id)
+
+    async def state(self) -> str:
+        """The Celery task state (see GenerationHandle.state)."""
+        return await asyncio.to_thread(lambda: self._client.celery.AsyncResult(self.id).state)
+
+    async def close(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            await pubsub.aclose()
+
+    async def __aenter__(self) -> AsyncGenerationHandle:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncGenerationHandle({self.id!r})"
+
+
+class AsyncGenqClient:
+    """GenqClient for asyncio (the gateway): the same methods, awaited; handle() needs no I/O.
+    Celery's send_task runs in a thread (asyncio.to_thread); everything else is redis.asyncio."""
+
+    def __init__(self, redis_url: str | None = None, *, broker_url: str | None = None,
+                 result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None) -> None:
+        self.settings = _settings(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend,
+                                  queue=queue, key_prefix=key_prefix)
+        self.queue = self.settings.queue
+        self.key_prefix = self.settings.key_prefix
+        self.celery = make_celery(self.settings)
+        self.redis = redis.asyncio.Redis.from_url(self.settings.redis_url, **_redis_options())
+        self._pubsub_redis = redis.asyncio.Redis.from_url(
+            self.settings.redis_url, **_pubsub_options(AsyncRetry(NoBackoff(), 0)))
+
+    async def submit(self, request: RequestLike, *, identifier: str | None = None,
+                     **options: Any) -> AsyncGenerationHandle:
+        """See GenqClient.submit."""
+        prepared = _prepare(request, identifier, options)
+        pubsub = await self._subscribe(prepared.identifier)
+        try:
+            await asyncio.to_thread(_send, self.celery, self.queue, prepared)
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return AsyncGenerationHandle(self, prepared.identifier, pubsub, submitted=True)
+
+    async def submit_many(self, requests: Iterable[RequestLike]) -> list[AsyncGenerationHandle]:
+        """See GenqClient.submit_many."""
+        prepared = _prepare_many(requests)
+        await asyncio.to_thread(_send_many, self.celery, self.queue, prepared)
+        return [AsyncGenerationHandle(self, item.identifier, submitted=True) for item in prepared]
+
+    def handle(self, identifier: str) -> AsyncGenerationHandle:
+        """See GenqClient.handle."""
+        channel_name(identifier, self.key_prefix)
+        return AsyncGenerationHandle(self, identifier)
+
+    async def cancel(self, identifier: str) -> None:
+        """See GenqClient.cancel."""
+        await request_cancel_async(self.redis, identifier, self.key_prefix)
+
+    async def close(self) -> None:
+        await self._pubsub_redis.aclose()
+        await self.redis.aclose()
+        await asyncio.to_thread(self.celery.close)
+
+    async def __aenter__(self) -> AsyncGenqClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _subscribe(self, identifier: str) -> redis.asyncio.client.PubSub:
+        """See GenqClient._subscribe."""
+        channel = channel_name(identifier, self.key_prefix)
+        pubsub = self._pubsub_redis.pubsub()
+        try:
+            await pubsub.subscribe(channel)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                while (message := await pubsub.get_message(timeout=CONNECT_TIMEOUT_S)) is None:
+                    pass
+            if message["type"] != "subscribe":
+                raise redis.ResponseError(f"unexpected reply to SUBSCRIBE {channel}: {message!r}")
+        except TimeoutError:
+            await pubsub.aclose()
+            raise redis.TimeoutError(f"no SUBSCRIBE confirmation for {channel} in {CONNECT_TIMEOUT_S} s") from None
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
+
+    async def _resubscribe(self, identifier: str) -> redis.asyncio.client.PubSub:
+        """See GenqClient._resubscribe."""
+        give_up = time.monotonic() + RECONNECT_WINDOW_S
+        delay = 0.05
+        while True:
+            try:
+                return await self._subscribe(identifier)
+            except (redis.ConnectionError, redis.TimeoutError):
+                if time.monotonic() + delay > give_up:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)

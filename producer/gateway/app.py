@@ -1,0 +1,426 @@
+"""The HTTP gateway: webhooks, per-task SSE streams and OpenAI-compatible endpoints in front of
+the genq queue. It holds no generation state: every request becomes a `genq.generate` task, and
+every stream is read back from Redis (replay stream + live channel) through the async client, so
+any number of gateway replicas can serve any task.
+
+Run it with `genq gateway` (uvicorn); `create_app(settings)` is the ASGI application.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import anyio
+import redis.asyncio
+from fastapi import Depends, FastAPI, Header, Path, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field, HttpUrl, TypeAdapter, ValidationError
+
+from producer.callbacks import DELIVER_CALLBACK_TASK
+from producer.client import AsyncGenerationHandle, AsyncGenqClient, GenerationError, StreamRestarted, TextAssembler
+from producer.gateway import sse
+from producer.gateway.auth import (
+    require_gateway_token,
+    require_task_access,
+    require_webhook_auth,
+)
+from producer.gateway.errors import ApiError, BodyLimit, ErrorBody, install_handlers
+from producer.gateway.openai_api import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatChunkChoice,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionUsage,
+    ModelCard,
+    ModelList,
+    UnsupportedParameter,
+    chat_response,
+    completion_response,
+    openai_finish_reason,
+)
+from producer.gateway.settings import GatewaySettings
+from producer.protocol import (
+    IDENTIFIER_PATTERN,
+    GenerationRequest,
+    GenerationResult,
+    ProtocolError,
+    StreamEvent,
+    Usage,
+)
+from producer.signing import task_access_token
+
+PRIORITY_LEVELS = range(10)
+KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
+"""kombu's Redis transport keeps one list per priority level: the queue's own name for level 0,
+f"{queue}\\x06\\x16{level}" for the others (kombu/transport/redis.py, Channel._q_for_pri).
+Summing every level 0-9 counts a queue whatever priority_steps its producers use."""
+
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a request whose client left before the answer; logged, never received."""
+_CALLBACK_URL = TypeAdapter(HttpUrl)
+_LAST_EVENT_ID = "Last-Event-ID"
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 422, 429)}
+
+
+class WebhookTask(GenerationRequest):
+    """The body of `POST /v1/tasks`: a generation request plus where to deliver its outcome."""
+
+    callback_url: HttpUrl | None = Field(None, description="http(s) URL that receives the signed outcome")
+
+
+class TaskAccepted(BaseModel):
+    id: str
+    stream_url: str
+    result_url: str
+    access_token: str | None = Field(None, description="this task's read/cancel token (signed deployments)")
+
+
+class TaskStatus(BaseModel):
+    id: str
+    state: str = Field(description="Celery's: PENDING (queued or unknown), STARTED, SUCCESS, FAILURE, ...")
+    result: GenerationResult | None = None
+    error: str | None = None
+
+
+class CancelAccepted(BaseModel):
+    id: str
+    cancel_requested: bool = True
+
+
+class Gateway:
+    """What the handlers share: the settings, the async client (whose Redis also keeps the seen
+    webhook signatures) and a connection to the broker's Redis for the queue depth."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.client = AsyncGenqClient(settings.redis_url, broker_url=settings.broker_url,
+                                      result_backend=settings.result_backend, queue=settings.queue,
+                                      key_prefix=settings.key_prefix)
+        self.broker = redis.asyncio.Redis.from_url(self.client.settings.broker)
+        self.started = int(time.time())
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.broker.aclose()
+
+    async def queue_depth(self) -> int:
+        queue = self.settings.queue
+        async with self.broker.pipeline(transaction=False) as pipe:
+            for level in PRIORITY_LEVELS:
+                pipe.llen(queue if level == 0 else f"{queue}{KOMBU_PRIORITY_SEPARATOR}{level}")
+            return sum(await pipe.execute())
+
+    async def admit(self) -> None:
+        """Admission control: refuse new work while the queue is deeper than the limit, so that a
+        burst turns into fast 429s instead of requests that time out after waiting."""
+        limit = self.settings.max_queue_depth
+        if limit is not None and (depth := await self.queue_depth()) > limit:
+            raise ApiError(429, "queue_full", f"{depth} tasks are waiting in queue {self.settings.queue!r} "
+                                              f"(limit {limit}); retry later",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    async def send(self, request: GenerationRequest, identifier: str, callback_url: str | None) -> None:
+        """Enqueue with, when asked, the callback signatures: Celery publishes `link` with the
+        result and `link_error` with the task id, to the callback queue (see producer.callbacks)."""
+        options: dict[str, Any] = {}
+        if callback_url is not None:
+            common = {"callback_url": callback_url, "identifier": identifier}
+            for option, event in (("link", "generation.succeeded"), ("link_error", "generation.failed")):
+                options[option] = self.client.celery.signature(
+                    DELIVER_CALLBACK_TASK, kwargs={**common, "event": event}, queue=self.settings.callback_queue)
+        handle = await self.client.submit(request, identifier=identifier, **options)
+        await handle.close()  # nobody follows a webhook's task from here: its reader comes via SSE
+
+    async def status(self, identifier: str) -> TaskStatus:
+        handle = self.client.handle(identifier)
+        try:
+            result = await handle.result(timeout=0)
+        except GenerationError as error:
+            return TaskStatus(id=identifier, state=await handle.state(), error=error.message)
+        except TimeoutError:
+            return TaskStatus(id=identifier, state=await handle.state())
+        return TaskStatus(id=identifier, state="SUCCESS", result=result)
+
+
+def _gateway_token(request: Request) -> None:
+    require_gateway_token(request.app.state.gateway.settings, request)
+
+
+def _task_access(request: Request, task_id: Annotated[str, Path(pattern=IDENTIFIER_PATTERN)]) -> str:
+    require_task_access(request.app.state.gateway.settings, request, task_id)
+    return task_id
+
+
+AccessibleTaskId = Annotated[str, Depends(_task_access)]
+"""A task id from the path that the caller may read and cancel."""
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    gateway = Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="genq gateway", version="1", lifespan=lifespan,
+                  description="Webhooks, SSE streams and OpenAI-compatible endpoints for the genq queue.")
+    app.state.gateway = gateway
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    install_handlers(app)
+
+    # --- native endpoints ---------------------------------------------------------------
+
+    @app.post("/v1/tasks", status_code=202, response_model=TaskAccepted, responses=ERROR_RESPONSES,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/WebhookTask"}}}}})
+    async def create_task(request: Request) -> TaskAccepted:
+        """Enqueue a generation. Authenticated by the bearer token or by an HMAC signature: headers
+        `X-Genq-Timestamp: <unix s>` and `X-Genq-Signature: sha256=<hex HMAC-SHA256(secret,
+        "<timestamp>." + raw body)>`. The body is a genq request (docs/protocol.md) plus an
+        optional `callback_url` that receives the outcome, signed the same way."""
+        body = await request.body()
+        await require_webhook_auth(settings, request, body, gateway.client.redis)
+        payload = _json_object(body)
+        callback_url = _callback_url(payload.pop("callback_url", None))
+        if callback_url is not None and settings.webhook_secret is None:
+            raise ApiError(422, "invalid_request", "callback_url: callbacks are signed with GENQ_WEBHOOK_SECRET, "
+                                                   "which this gateway does not have", param="callback_url")
+        generation = _parse(payload, status=422)
+        await gateway.admit()
+        identifier = generation.identifier or str(uuid.uuid4())
+        await gateway.send(generation, identifier, callback_url)
+        access = (task_access_token(settings.webhook_secret.get_secret_value(), identifier)
+                  if settings.webhook_secret is not None else None)
+        return TaskAccepted(id=identifier, stream_url=f"/v1/tasks/{identifier}/events",
+                            result_url=f"/v1/tasks/{identifier}", access_token=access)
+
+    @app.get("/v1/tasks/{task_id}", response_model=TaskStatus, responses=ERROR_RESPONSES)
+    async def get_task(task_id: AccessibleTaskId) -> TaskStatus:
+        """The task's Celery state, with its result on SUCCESS or its error on FAILURE."""
+        return await gateway.status(task_id)
+
+    @app.delete("/v1/tasks/{task_id}", status_code=202, response_model=CancelAccepted, responses=ERROR_RESPONSES)
+    async def cancel_task(task_id: AccessibleTaskId) -> CancelAccepted:
+        """Cancel the task, queued or running; its stream ends with a `cancelled` event."""
+        await gateway.client.cancel(task_id)
+        return CancelAccepted(id=task_id)
+
+    @app.get("/v1/tasks/{task_id}/events", responses={**ERROR_RESPONSES, 200: {
+        "content": {"text/event-stream": {}}, "description": "one SSE message per stream event"}})
+    async def task_events(
+        task_id: AccessibleTaskId,
+        last_event_id: Annotated[str | None, Header(alias=_LAST_EVENT_ID)] = None,
+    ) -> StreamingResponse:
+        """The task's events as Server-Sent Events: `id: <attempt>-<seq>`, `event: <type>`, `data:
+        <StreamEvent JSON>`; first what the replay stream holds, then live, each once; the stream
+        ends after the final event. Reconnect with `Last-Event-ID` to get only what follows."""
+        after = _parse_last_event_id(last_event_id)
+        events = gateway.client.handle(task_id).events(timeout=settings.stream_idle_timeout_s, after=after)
+        return StreamingResponse(_task_sse(events, settings.keepalive_s), media_type="text/event-stream",
+                                 headers=sse.SSE_HEADERS)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def health() -> dict[str, bool]:
+        return {"redis": bool(await gateway.client.redis.ping())}
+
+    # --- OpenAI-compatible endpoints ---------------------------------------------------
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(_gateway_token)],
+             responses=ERROR_RESPONSES)
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.model_name, created=gateway.started)])
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, dependencies=[Depends(_gateway_token)],
+             responses=ERROR_RESPONSES)
+    async def get_model(model: str) -> ModelCard:
+        _check_model(settings, model)
+        return ModelCard(id=settings.model_name, created=gateway.started)
+
+    @app.post("/v1/completions", response_model=Completion, dependencies=[Depends(_gateway_token)],
+              responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        """OpenAI's text completions, streamed (`stream: true`) or not."""
+        return await _openai(gateway, request, body, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=[Depends(_gateway_token)],
+              responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        """OpenAI's chat completions; the worker renders the messages with the model's chat template."""
+        return await _openai(gateway, request, body, chat=True)
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the webhook body: that handler reads the raw bytes (the signature
+    covers them), so FastAPI cannot see its model."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        body = WebhookTask.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(body.pop("$defs", {}))
+        components["WebhookTask"] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(422, "invalid_json", f"the body is not JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise ApiError(422, "invalid_request", "the body must be a JSON object of request fields")
+    return payload
+
+
+def _callback_url(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return str(_CALLBACK_URL.validate_python(value))
+    except ValidationError:
+        raise ApiError(422, "invalid_request", f"callback_url: must be an http(s) URL, got {value!r}"[:300],
+                       param="callback_url", problems=["callback_url: must be an http(s) URL"]) from None
+
+
+def _parse(fields: dict[str, Any], *, status: int) -> GenerationRequest:
+    try:
+        return GenerationRequest.parse_payload(fields)
+    except ProtocolError as error:
+        param = error.problems[0].split(":", 1)[0] if error.problems else None
+        raise ApiError(status, "invalid_request", str(error), param=param, problems=error.problems) from None
+
+
+def _parse_last_event_id(value: str | None) -> tuple[int, int] | None:
+    if not value:
+        return None
+    attempt, _, seq = value.partition("-")
+    if not (attempt.isdigit() and seq.isdigit()):
+        raise ApiError(400, "invalid_last_event_id", f"{_LAST_EVENT_ID} must be '<attempt>-<seq>', got {value!r}")
+    return int(attempt), int(seq)
+
+
+def _check_model(settings: GatewaySettings, model: str) -> None:
+    if model != settings.model_name:
+        raise ApiError(404, "model_not_found", f"the model {model!r} does not exist; this gateway serves "
+                                               f"{settings.model_name!r}", param="model")
+
+
+async def _task_sse(events: AsyncIterator[StreamEvent], keepalive_s: float) -> AsyncIterator[str]:
+    try:
+        async for event in sse.with_keepalive(events, keepalive_s):
+            if event is None:
+                yield sse.KEEPALIVE
+                continue
+            yield sse.message(event.to_json(), event=event.event, id=f"{event.attempt}-{event.seq}")
+    except TimeoutError as error:
+        yield sse.message(json.dumps({"error": str(error)}), event="timeout")
+
+
+async def _openai(gateway: Gateway, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                  *, chat: bool) -> Any:
+    settings = gateway.settings
+    _check_model(settings, body.model)
+    try:
+        fields = body.to_request_fields()
+    except UnsupportedParameter as error:
+        raise ApiError(400, "unsupported_parameter", str(error), param=error.param) from None
+    identifier = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    generation = _parse({**fields, "identifier": identifier}, status=400)
+    await gateway.admit()
+    handle = await gateway.client.submit(generation, identifier=identifier)
+    if body.stream:
+        chunks = _openai_stream(gateway, handle, body.model, chat=chat, include_usage=body.include_usage)
+        return StreamingResponse(chunks, media_type="text/event-stream", headers=sse.SSE_HEADERS)
+    try:
+        result = await sse.unless_disconnected(request, handle.result(timeout=settings.result_timeout_s))
+    except GenerationError as error:
+        # Nearly always the request's fault (a token outside the vocabulary, a prompt longer than the
+        # context): 400, so that SDKs do not retry it; the message is the worker's.
+        raise ApiError(400, "generation_failed", error.message) from None
+    except TimeoutError:
+        await gateway.client.cancel(identifier)
+        raise ApiError(504, "timeout", f"no result within {settings.result_timeout_s:.0f} s; cancelled") from None
+    if result is None:  # the client went away: nobody will read the answer
+        await gateway.client.cancel(identifier)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return (chat_response if chat else completion_response)(identifier, body.model, result)
+
+
+async def _openai_stream(gateway: Gateway, handle: AsyncGenerationHandle, model: str, *, chat: bool,
+                         include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI's streaming format: `data: <chunk>` per piece of text, a last chunk with the
+    finish_reason, a usage chunk when asked, then `data: [DONE]`. A client that disconnects
+    before the end cancels the generation. If a worker dies mid-generation, the redelivered
+    attempt continues the text where it stopped (TextAssembler)."""
+    created = int(time.time())
+
+    def chunk(text: str | None, finish_reason: str | None = None, *, role: bool = False) -> str:
+        if chat:
+            delta = ChatDelta(role="assistant" if role else None, content=text)
+            body: BaseModel = ChatCompletionChunk(id=handle.id, created=created, model=model, choices=[
+                ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+        else:
+            body = Completion(id=handle.id, created=created, model=model, choices=[
+                CompletionChoice(text=text or "", finish_reason=finish_reason)])
+        return sse.message(body.model_dump_json())
+
+    def usage_chunk(usage: Usage) -> str:
+        totals = CompletionUsage.from_usage(usage)
+        body: BaseModel = (ChatCompletionChunk(id=handle.id, created=created, model=model, choices=[], usage=totals)
+                           if chat else Completion(id=handle.id, created=created, model=model, choices=[],
+                                                   usage=totals))
+        return sse.message(body.model_dump_json())
+
+    def error(code: str, message: str) -> str:
+        return sse.message(json.dumps({"error": {"message": message, "type": "server_error", "code": code}}))
+
+    ended = False
+    assembler = TextAssembler(handle.id)
+    try:
+        if chat:
+            yield chunk("", role=True)
+        events = handle.events(timeout=gateway.settings.stream_idle_timeout_s)
+        async for event in sse.with_keepalive(events, gateway.settings.keepalive_s):
+            if event is None:
+                yield sse.KEEPALIVE
+                continue
+            text = assembler.feed(event)
+            if text:
+                yield chunk(text)
+            if event.is_terminal:
+                ended = True
+                yield chunk(None if chat else "", openai_finish_reason(event.finish_reason or "stop"))
+                if include_usage and event.usage is not None:
+                    yield usage_chunk(event.usage)
+                yield "data: [DONE]\n\n"
+    except GenerationError as failure:
+        ended = True
+        yield error("generation_failed", failure.message)
+    except StreamRestarted as restarted:
+        yield error("stream_restarted", str(restarted))
+    except TimeoutError as timeout:
+        yield error("timeout", str(timeout))
+    finally:
+        if not ended:
+            # The client left (the server cancels this generator), or the stream broke: stop the GPU work.
+            with anyio.CancelScope(shield=True):
+                await gateway.client.cancel(handle.id)

@@ -1,0 +1,84 @@
+"""Who may call the gateway.
+
+- `Authorization: Bearer <GENQ_GATEWAY_TOKEN>`: every endpoint (the OpenAI SDKs send their
+  api_key this way).
+- A webhook signature (producer.signing, key GENQ_WEBHOOK_SECRET): `POST /v1/tasks` only. The
+  timestamp must lie within GENQ_GATEWAY_REPLAY_WINDOW_S of the gateway's clock, and each
+  signature is accepted once: its digest is stored in Redis with SET NX EX for twice the window
+  (a signature can only be valid during the window around its timestamp, so that covers it).
+- The task's access token from the 202 answer (HMAC of the id under the webhook secret), as a
+  bearer token or an `access_token` query parameter: that task's status, events and cancel.
+- Nothing, when GENQ_GATEWAY_ALLOW_ANONYMOUS=true.
+
+Status codes: 401 for missing or wrong credentials, a bad signature or a timestamp outside the
+window; 409 for a replayed signature (the request was authentic and has already been accepted,
+so a sender retrying after a lost answer learns that its first try went through).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import redis.asyncio
+from fastapi import Request
+
+from producer.gateway.errors import ApiError
+from producer.gateway.settings import GatewaySettings
+from producer.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, task_access_token, verify
+
+_SIGNATURE_CODES = {"missing": "missing_signature", "malformed": "invalid_signature",
+                    "mismatch": "invalid_signature", "stale": "stale_timestamp"}
+
+
+def _bearer(request: Request) -> str | None:
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" and credentials.strip() else None
+
+
+def _matches(given: str | None, expected: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def has_gateway_token(settings: GatewaySettings, request: Request) -> bool:
+    return settings.allow_anonymous or (
+        settings.token is not None and _matches(_bearer(request), settings.token.get_secret_value()))
+
+
+def require_gateway_token(settings: GatewaySettings, request: Request) -> None:
+    """The OpenAI endpoints: the bearer token (there is no body signature in OpenAI's protocol)."""
+    if has_gateway_token(settings, request):
+        return
+    if settings.token is None:
+        raise ApiError(401, "invalid_api_key", "this endpoint needs GENQ_GATEWAY_TOKEN to be configured on the "
+                                               "gateway and sent as 'Authorization: Bearer <token>'")
+    raise ApiError(401, "invalid_api_key", "missing or wrong bearer token ('Authorization: Bearer <token>')")
+
+
+def require_task_access(settings: GatewaySettings, request: Request, identifier: str) -> None:
+    """Status, events and cancel of one task: the gateway token, or that task's access token."""
+    if has_gateway_token(settings, request):
+        return
+    if settings.webhook_secret is not None:
+        expected = task_access_token(settings.webhook_secret.get_secret_value(), identifier)
+        if _matches(_bearer(request), expected) or _matches(request.query_params.get("access_token"), expected):
+            return
+    raise ApiError(401, "invalid_api_key", "send the gateway token or this task's access token "
+                                           "('Authorization: Bearer <token>' or ?access_token=<token>)")
+
+
+async def require_webhook_auth(settings: GatewaySettings, request: Request, body: bytes,
+                               replay_store: redis.asyncio.Redis) -> None:
+    """`POST /v1/tasks`: the bearer token, or a fresh signature of this body never seen before."""
+    if has_gateway_token(settings, request):
+        return
+    if settings.webhook_secret is None:
+        raise ApiError(401, "invalid_api_key", "missing or wrong bearer token ('Authorization: Bearer <token>')")
+    try:
+        digest = verify(settings.webhook_secret.get_secret_value(), body, request.headers.get(TIMESTAMP_HEADER),
+                        request.headers.get(SIGNATURE_HEADER), window_s=settings.replay_window_s)
+    except SignatureError as error:
+        raise ApiError(401, _SIGNATURE_CODES[error.problem], str(error)) from None
+    key = f"{settings.key_prefix}:webhook:seen:{digest}"
+    if not await replay_store.set(key, "1", nx=True, ex=2 * settings.replay_window_s):
+        raise ApiError(409, "replayed_request", "this signed request was already accepted; sign each request anew "
+                                                "(a new timestamp gives a new signature)")

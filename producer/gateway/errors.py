@@ -1,0 +1,114 @@
+"""Every error the gateway answers is one JSON shape, OpenAI's, so that OpenAI clients raise
+their usual exceptions and webhook senders parse one format:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "code": "...", "param": null,
+               "problems": ["field.path: problem", ...]}}     # problems: validation errors only
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+"""OpenAI answers invalid requests with 400; the native endpoints use 422, as FastAPI does."""
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+    problems: list[str] | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An answer other than success, raised anywhere in a handler."""
+
+    def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
+                 problems: list[str] | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+        self.param, self.problems, self.headers = param, problems, headers
+
+    def response(self) -> JSONResponse:
+        detail = ErrorDetail(message=self.message, type=_TYPES.get(self.status, "server_error"), code=self.code,
+                             param=self.param, problems=self.problems)
+        return JSONResponse(ErrorBody(error=detail).model_dump(exclude_none=True), status_code=self.status,
+                            headers=self.headers)
+
+
+def validation_status(path: str) -> int:
+    return 400 if path.startswith(OPENAI_PATHS) else 422
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    parts = [str(part) for part in loc if part != "body"]
+    return ".".join(parts) or "body"
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = [f"{_location(e['loc'])}: {e['msg']}" for e in error.errors()]
+        first = error.errors()[0]["loc"] if error.errors() else ()
+        return ApiError(validation_status(request.url.path), "invalid_request", "\n".join(problems),
+                        param=_location(first) if first else None, problems=problems).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(error.status_code,
+                                                                                          "http_error")
+        return ApiError(error.status_code, code, str(error.detail), headers=error.headers).response()
+
+
+class BodyLimit:
+    """413 for a request body over `max_bytes`, as a JSON error: at once when Content-Length says
+    so, else when the bytes read pass the limit (a chunked body has no Content-Length)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self) -> str:
+        return f"the request body exceeds {self.max_bytes} bytes (GENQ_GATEWAY_MAX_BODY_BYTES)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await ApiError(413, "body_too_large", self._message()).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                # Raised inside a handler's body read; FastAPI lets an HTTPException through as it is.
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counting_receive, send)

@@ -1,0 +1,281 @@
+"""OpenAI-compatible request and response shapes, and their translation to the genq protocol.
+
+Requests accept what OpenAI clients send: unknown fields are ignored (as vLLM does: SDKs add
+fields over time), known features genq lacks are refused with a 400 that names them (n > 1,
+logprobs, echo, suffix, tools, structured output), and the values themselves are checked by
+GenerationRequest, so the limits are the protocol's. Extensions, as in vLLM: top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos.
+
+finish_reason: the protocol's "stop" and "length" are OpenAI's; "deadline" and "cancelled" are
+reported as "length", since the text was cut short by a limit rather than ended by the model.
+An omitted temperature means 1.0, OpenAI's default (genq's own default is greedy).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from producer.protocol import DEFAULT_MAX_NEW_TOKENS, GenerationResult, Usage
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions; chat completions default to the protocol's."""
+FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "length"}
+
+OpenAIFinishReason = Literal["stop", "length"]
+
+
+class UnsupportedParameter(ValueError):
+    """A request asks for an OpenAI feature genq does not implement."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptionsParam(_Lenient):
+    include_usage: bool = False
+
+
+class _CommonParams(_Lenient):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptionsParam | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, description="accepted and ignored")
+    top_k: int | None = Field(None, description="genq extension (vLLM's): 0 = off")
+    min_p: float | None = Field(None, description="genq extension (vLLM's)")
+    repetition_penalty: float | None = Field(None, description="genq extension (vLLM's)")
+    min_tokens: int | None = Field(None, description="genq extension (vLLM's): stop tokens blocked until reached")
+    ignore_eos: bool | None = Field(None, description="genq extension (vLLM's)")
+
+    def _check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise UnsupportedParameter("n", f"only n=1 is supported, got {self.n}; send separate requests")
+
+    def _request_fields(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
+        sampling = {
+            "temperature": OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "token_bias": self.logit_bias, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+        }
+        fields: dict[str, Any] = {
+            "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "sampling": {name: value for name, value in sampling.items() if value is not None},
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+        }
+        if self.min_tokens is not None:
+            fields["min_new_tokens"] = self.min_tokens
+        if self.ignore_eos is not None:
+            fields["ignore_eos"] = self.ignore_eos
+        return fields
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_CommonParams):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_request_fields(self) -> dict[str, Any]:
+        """The GenerationRequest fields (not yet validated) this request asks for."""
+        self._check_supported()
+        for param, value, neutral in (("echo", self.echo, (None, False)), ("logprobs", self.logprobs, (None,)),
+                                      ("best_of", self.best_of, (None, 1)), ("suffix", self.suffix, (None, ""))):
+            if value not in neutral:
+                raise UnsupportedParameter(param, "not supported by genq")
+        fields = self._request_fields(self.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise UnsupportedParameter("prompt", f"one prompt per request, got a batch of {len(prompt)}")
+            prompt = prompt[0]
+        fields["input_ids" if isinstance(prompt, list) else "prompt"] = prompt
+        return fields
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part_index, part in enumerate(self.content):
+            if part.get("type") != "text":
+                raise UnsupportedParameter(f"messages[{index}].content[{part_index}]",
+                                           f"only text parts are supported, got type {part.get('type')!r}")
+            texts.append(TextPart.model_validate(part).text)
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_CommonParams):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessageParam]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_request_fields(self) -> dict[str, Any]:
+        self._check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise UnsupportedParameter("logprobs", "not supported by genq")
+        if self.tools or self.functions or self.tool_choice not in (None, "none"):
+            raise UnsupportedParameter("tools", "tool calling is not supported by genq")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise UnsupportedParameter("response_format", "only the text format is supported")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        fields = self._request_fields(max_tokens, DEFAULT_MAX_NEW_TOKENS)
+        # OpenAI's "developer" role is its newer name for the system prompt.
+        fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+                              for i, m in enumerate(self.messages)]
+        return fields
+
+
+# --- responses -----------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def from_usage(cls, usage: Usage) -> CompletionUsage:
+        return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                   total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens))
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: OpenAIFinishReason | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: OpenAIFinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class ChatDelta(BaseModel):
+    """Only what changed: `{"role": "assistant", "content": ""}` first, then `{"content": ...}`,
+    and `{}` in the final chunk, as OpenAI sends them."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {name: value for name, value in serialize(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: OpenAIFinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "genq"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def openai_finish_reason(finish_reason: str) -> OpenAIFinishReason:
+    return FINISH_REASONS[finish_reason]  # type: ignore[return-value]
+
+
+def completion_response(identifier: str, model: str, result: GenerationResult) -> Completion:
+    return Completion(id=identifier, created=int(time.time()), model=model,
+                      choices=[CompletionChoice(text=result.text,
+                                                finish_reason=openai_finish_reason(result.finish_reason))],
+                      usage=CompletionUsage.from_usage(result.usage))
+
+
+def chat_response(identifier: str, model: str, result: GenerationResult) -> ChatCompletion:
+    return ChatCompletion(id=identifier, created=int(time.time()), model=model,
+                          choices=[ChatChoice(message=AssistantMessage(content=result.text),
+                                              finish_reason=openai_finish_reason(result.finish_reason))],
+                          usage=CompletionUsage.from_usage(result.usage))

@@ -1,0 +1,45 @@
+"""Gateway settings: GENQ_GATEWAY_* for the gateway's own knobs, the shared GENQ_* names
+(Redis, queue, key prefix, webhook secret, callback queue) for what it must agree on with the
+workers."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from producer.callbacks import DEFAULT_CALLBACK_QUEUE
+from producer.protocol import DEFAULT_KEY_PREFIX, DEFAULT_QUEUE
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GENQ_GATEWAY_", extra="ignore", populate_by_name=True)
+
+    host: str = Field("127.0.0.1", description="address `genq gateway` binds")
+    port: int = Field(8000, ge=0, le=65535, description="port `genq gateway` binds")
+    token: SecretStr | None = Field(None, description="bearer token every endpoint accepts")
+    allow_anonymous: bool = Field(False, description="serve without any credentials (development only)")
+    model_name: str = Field("genq", min_length=1, description="the model name the OpenAI endpoints serve")
+    max_queue_depth: int | None = Field(1000, ge=0, description="429 when more tasks than this wait in the queue")
+    retry_after_s: int = Field(5, ge=1, description="Retry-After of a 429")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="413 for a larger request body")
+    replay_window_s: int = Field(300, ge=1, description="signed requests are accepted this close to their timestamp")
+    stream_idle_timeout_s: float = Field(600.0, gt=0, description="a stream ends after this long without an event")
+    keepalive_s: float = Field(15.0, gt=0, description="SSE comment sent when a stream is idle this long")
+    result_timeout_s: float = Field(3600.0, gt=0, description="longest wait for a non-streamed OpenAI answer")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="GENQ_REDIS_URL")
+    broker_url: str | None = Field(None, validation_alias="GENQ_BROKER_URL")
+    result_backend: str | None = Field(None, validation_alias="GENQ_RESULT_BACKEND")
+    queue: str = Field(DEFAULT_QUEUE, validation_alias="GENQ_QUEUE", description="the queue of the served model")
+    key_prefix: str = Field(DEFAULT_KEY_PREFIX, validation_alias="GENQ_KEY_PREFIX")
+    webhook_secret: SecretStr | None = Field(None, validation_alias="GENQ_WEBHOOK_SECRET",
+                                             description="HMAC key of webhook signatures and callbacks")
+    callback_queue: str = Field(DEFAULT_CALLBACK_QUEUE, validation_alias="GENQ_CALLBACK_QUEUE")
+
+    @model_validator(mode="after")
+    def _some_authentication(self) -> GatewaySettings:
+        """A gateway enqueues GPU work for whoever reaches it: refuse to start open by accident."""
+        if self.token is None and self.webhook_secret is None and not self.allow_anonymous:
+            raise ValueError("no credentials configured: set GENQ_GATEWAY_TOKEN and/or GENQ_WEBHOOK_SECRET "
+                             "(or GENQ_GATEWAY_ALLOW_ANONYMOUS=true for local development)")
+        return self

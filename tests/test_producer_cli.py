@@ -1,0 +1,149 @@
+"""`genq submit | stream | cancel | result` as a script would run them: subprocesses
+against a real redis-server and a real worker on its own queue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from producer.protocol import stream_key
+from tests.conftest import free_port, wait_until
+from tests.service import ROOT, WorkerProcess, plain_client
+
+QUEUE = "genq-cli"
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_factory: Callable[..., Path], redis_url: str, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[WorkerProcess]:
+    model = tiny_model_factory("llama", max_position_embeddings=1024)
+    process = WorkerProcess(model, redis_url, QUEUE, "cli", tmp_path_factory.mktemp("cli") / "worker.log",
+                            {"cache_tokens": 16384, "page_size": 16, "concurrency": 16})
+    process.start().wait_ready(plain_client(redis_url))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def genq(worker: WorkerProcess, redis_url: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command(redis_url, *args), cwd=ROOT, input=stdin, capture_output=True, text=True,
+                              timeout=120)
+
+    return run
+
+
+def command(redis_url: str, name: str, *args: str) -> list[str]:
+    options = ["--redis-url", redis_url] + (["--queue", QUEUE] if name == "submit" else [])
+    return [sys.executable, "-m", "worker.cli", name, *options, *args]
+
+
+def result_of(genq: Callable[..., subprocess.CompletedProcess[str]], identifier: str) -> dict:
+    done = genq("result", identifier, "--wait", "30", "--json")
+    assert done.returncode in (0, 3), done.stderr
+    return json.loads(done.stdout)
+
+
+def test_streamed_stdout_is_the_result_text_and_stderr_has_the_status(genq):
+    run = genq("submit", "Once upon a time", "--stream", "--max-new-tokens", "24", "--id", "cli-stream")
+    assert run.returncode == 0, run.stderr
+    result = result_of(genq, "cli-stream")
+    assert run.stdout == result["text"] and run.stdout
+    assert "[done: length] 24 tokens" in run.stderr and "id cli-stream" in run.stderr
+
+
+def test_submit_prints_the_id_then_the_text_or_the_json_result(genq):
+    run = genq("submit", "-", "--max-new-tokens", "8", "--seed", "3", "--temperature", "0.8", stdin="From stdin")
+    assert run.returncode == 0, run.stderr
+    identifier = run.stderr.splitlines()[0]
+    assert run.stdout == result_of(genq, identifier)["text"]
+
+    as_json = genq("submit", "--input-ids", "5,6,7", "--max-new-tokens", "4", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 0}
+
+
+def test_chat_messages_from_a_file(genq, tmp_path: Path):
+    messages = tmp_path / "chat.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "Hello there"}]))
+    run = genq("submit", "--messages", str(messages), "--max-new-tokens", "6", "--stream", "--json")
+    assert run.returncode == 0, run.stderr
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    assert events[0]["event"] == "started" and events[-1]["event"] == "done"
+
+
+def test_stream_and_result_of_a_finished_request(genq):
+    assert genq("submit", "Later", "--max-new-tokens", "12", "--id", "cli-later").returncode == 0
+    text = result_of(genq, "cli-later")["text"]
+    streamed = genq("stream", "cli-later")
+    assert streamed.returncode == 0 and streamed.stdout == text
+    shown = genq("result", "cli-later")
+    assert shown.returncode == 0 and shown.stdout == text
+    unknown = genq("result", "cli-unknown", "--wait", "0.2")
+    assert unknown.returncode == 4 and "PENDING" in unknown.stderr
+
+
+def test_invalid_arguments_exit_2_with_the_protocol_message(genq, tmp_path: Path):
+    cases = [
+        (["Hi", "--temperature", "5"], "sampling.temperature"),
+        (["--max-new-tokens", "4"], "exactly one of prompt, messages or input_ids"),
+        (["--input-ids", "1,x"], "--input-ids"),
+        (["--messages", str(tmp_path / "missing.json")], "--messages"),
+        (["Hi", "--id", "bad id!"], "identifier"),
+    ]
+    for args, message in cases:
+        run = genq("submit", *args)
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
+    assert genq("submit", "Hi", "--max-new-tokens", "many").returncode == 2  # argparse's own
+
+
+def test_a_worker_side_failure_exits_1_with_the_worker_message(genq):
+    for mode in ([], ["--stream"]):
+        run = genq("submit", "--input-ids", "5,1000000", "--max-new-tokens", "4", *mode)
+        assert run.returncode == 1 and "vocabulary" in run.stderr, run.stderr
+
+
+def test_cancel_from_a_second_process_exits_3(genq, redis_url: str):
+    identifier = "cli-cancel"
+    streaming = subprocess.Popen(
+        command(redis_url, "submit", "A long story", "--stream", "--ignore-eos", "--max-new-tokens", "900",
+                "--id", identifier),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        wait_until(lambda: streaming.poll() is not None or admin.xlen(stream_key(identifier)) >= 3, 60,
+                   "the request to stream")
+        cancel = genq("cancel", identifier)
+        assert cancel.returncode == 0, cancel.stderr
+        out, err = streaming.communicate(timeout=60)
+    finally:
+        streaming.kill()
+    assert streaming.returncode == 3, err
+    result = result_of(genq, identifier)
+    assert result["finish_reason"] == "cancelled" and out == result["text"]
+    assert "[cancelled: cancelled]" in err
+
+
+def test_a_deadline_exits_4(genq):
+    run = genq("submit", "Slow", "--ignore-eos", "--max-new-tokens", "900", "--timeout", "0.5", "--json")
+    assert run.returncode == 4, run.stderr
+    assert json.loads(run.stdout)["finish_reason"] == "deadline"
+
+
+def test_unreachable_redis_exits_5():
+    run = subprocess.run(command(f"redis://127.0.0.1:{free_port()}/0", "submit", "Hi"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 5 and "cannot reach Redis" in run.stderr, run.stderr
+
+
+def test_the_client_and_cli_import_without_torch():
+    code = ("import sys; sys.modules['torch'] = None; import producer.client, producer.cli, worker.cli; "
+            "worker.cli.build_parser().parse_args(['submit', 'x'])")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
