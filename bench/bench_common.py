@@ -84,6 +84,17 @@ def load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
+def warn_if_busy(threads: int) -> None:
+    """A busy neighbour stalls every multi-threaded op (an OpenMP team waits for
+    its slowest thread), which distorts small-op engines most."""
+    load = load_average()
+    if load is not None and load[0] + threads > available_cores() + 0.5:
+        progress(
+            f"warning: load average {load[0]:.2f} with {available_cores()} cores; timings with {threads} threads "
+            "will be distorted (run on a quiet machine, or pass --threads 1)"
+        )
+
+
 def matmul_gflops(sizes: Sequence[int] = (1024, 2048), repeats: int = 5) -> dict[str, Any]:
     """Best-of fp32 torch.mm rate (GFLOP/s) with the current thread count: the
     denominator of model FLOP utilization. Best-of, because a busy neighbour can

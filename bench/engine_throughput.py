@@ -62,6 +62,7 @@ from bench_common import (
     matmul_gflops,
     percentiles_ms,
     progress,
+    warn_if_busy,
 )
 from engine import Generator, Tokenizer
 from engine.tiny_model import PRESETS, count_parameters
@@ -384,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timing_method": TIMING_METHOD,
         "flops_formula": FLOPS_FORMULA,
     }
-    _warn_if_busy(args.threads)
+    warn_if_busy(args.threads)
     progress(f"measuring the fp32 matmul rate with {args.threads} threads")
     peak_start = matmul_gflops(peak_sizes, peak_repeats)
     progress(f"matmul: {peak_start['best_gflops']:.1f} GFLOP/s")
@@ -403,17 +404,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"wrote {json_path} and {png_path}")
     print(markdown_table(results))
     return 0
-
-
-def _warn_if_busy(threads: int) -> None:
-    """A busy neighbour stalls every multi-threaded op (an OpenMP team waits for
-    its slowest thread), which distorts small-op engines most."""
-    load = load_average()
-    if load is not None and load[0] + threads > available_cores() + 0.5:
-        progress(
-            f"warning: load average {load[0]:.2f} with {available_cores()} cores; timings with {threads} threads "
-            "will be distorted (run on a quiet machine, or pass --threads 1)"
-        )
 
 
 def add_mfu(results: dict[str, Any], peak_gflops: float) -> None:

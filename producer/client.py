@@ -667,13 +667,19 @@ class AsyncGenerationHandle:
     async def result(self, timeout: float | None = None) -> GenerationResult:
         """See GenerationHandle.result. Waits for the final event on the channel first, so that a
         thread blocks on the result backend only for the moment the result takes to arrive."""
-        if timeout is not None and timeout <= 0:
-            await self.close()
-            return await asyncio.to_thread(_fetch_outcome, self._client.celery, self.id, 0)
         deadline = None if timeout is None else time.monotonic() + timeout
+        look_only = timeout is not None and timeout <= 0
+        if look_only or not (self._fresh or self._finished):
+            # A look without waiting, or a handle attached to a request that may have ended long
+            # ago: the backend answers at once, without replaying the stream.
+            try:
+                return await asyncio.to_thread(_fetch_outcome, self._client.celery, self.id, 0)
+            except TimeoutError:
+                if look_only:
+                    raise
         if not self._finished:
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
                     async for _ in self.events():
                         pass
             except TimeoutError:

@@ -217,7 +217,10 @@ def test_the_async_client_submits_streams_cancels_and_resumes(worker: WorkerProc
             check_events(events, result.text)
 
             attached = client.handle(handle.id)
+            assert (await attached.result(timeout=5)).text == text  # from the backend, no replay needed
             assert "".join([e.text async for e in attached.events(timeout=10) if e.event == "chunk"]) == text
+            with pytest.raises(TimeoutError):
+                await client.handle("async-unknown").result(timeout=0)
 
             many = await client.submit_many([{"prompt": f"async bulk {i}", "max_new_tokens": 4} for i in range(4)])
             results = await asyncio.gather(*(h.result(timeout=60) for h in many))
