@@ -33,8 +33,7 @@ from celery import Celery, Task
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.client import PRIORITY_STEPS
-from producer.protocol import GenerationResult
+from producer.protocol import PRIORITY_STEPS, GenerationResult
 from producer.signing import signed_headers
 
 log = logging.getLogger(__name__)

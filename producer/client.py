@@ -42,6 +42,7 @@ from redis.retry import Retry
 
 from producer.control import request_cancel, request_cancel_async
 from producer.protocol import (
+    PRIORITY_STEPS,
     STREAM_FIELD,
     TASK_NAME,
     GenerationRequest,
@@ -68,7 +69,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PRIORITY_STEPS = list(range(10))
 """Ten Redis priority levels, 0 served first: the workers' setting (worker/app.py); a producer must
 use the same, or kombu files its messages under lists the workers do not read in the same order."""
 POLL_INTERVAL_S = 5.0

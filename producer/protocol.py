@@ -98,6 +98,8 @@ STREAM_FIELD = "data"
 """The field of each replay-stream entry that holds the event JSON (``XADD key * data <json>``)."""
 CANCEL_KEY_VALUE = "1"
 CANCEL_KEY_TTL_S = 3600
+#: Redis transport priority levels (kombu's priority_steps): 10 levels, 0 served first.
+PRIORITY_STEPS = list(range(10))
 """How long a cancel key should live: long enough to catch a task still waiting in the broker."""
 
 # --- Limits ------------------------------------------------------------------

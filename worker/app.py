@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from celery import Celery
 
+from producer.protocol import PRIORITY_STEPS
 from worker import bootsteps
 from worker.settings import Settings
-
-#: Redis transport priorities: 10 levels, 0 is served first.
-PRIORITY_STEPS = list(range(10))
 
 
 def create_app(settings: Settings | None = None) -> Celery:

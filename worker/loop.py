@@ -108,6 +108,9 @@ class EngineLoop:
             self._cancels.add(identifier)
             self._cond.notify()
 
+    def active_identifiers(self) -> list[str]:
+        return list(self._active)
+
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop accepting jobs; in-flight ones get grace_s to finish, then are
         requeued. A second call can only bring the deadline closer."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import redis
@@ -14,6 +15,9 @@ import redis
 from producer.protocol import STREAM_FIELD, StreamEvent, cancel_key, channel_name, stream_key
 
 log = logging.getLogger(__name__)
+
+EXPIRY_REFRESH_EVENTS = 64
+PUBLISH_ATTEMPTS = 5
 
 
 class Publisher:
@@ -32,8 +36,9 @@ class Publisher:
             key = stream_key(event.id, self.key_prefix)
             pipe.publish(channel_name(event.id, self.key_prefix), payload)
             pipe.xadd(key, {STREAM_FIELD: payload}, maxlen=self.stream_maxlen, approximate=True)
-            # The expiry is (re)set when a stream begins and when it ends, not per chunk.
-            if event.event == "started" or event.is_terminal:
+            # The expiry is (re)set when a stream begins and ends and every EXPIRY_REFRESH_EVENTS
+            # events in between (not per chunk: it is a third of the commands).
+            if event.event == "started" or event.is_terminal or event.seq % EXPIRY_REFRESH_EVENTS == 0:
                 pipe.expire(key, self.stream_ttl_s)
         pipe.execute()
 
@@ -71,8 +76,20 @@ class PublishingThread:
         while (item := self._queue.get()) is not None:
             events, then = item
             try:
-                self.publisher.publish(events)
-            except redis.RedisError:
-                log.exception("could not publish %d stream events", len(events))
+                self._publish_with_retries(events)
             finally:
                 then()
+
+    def _publish_with_retries(self, events: list[StreamEvent]) -> None:
+        """A lost step would leave readers without their events (maybe the
+        final one), so a failing Redis is retried with backoff before giving up."""
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                self.publisher.publish(events)
+                return
+            except redis.RedisError:
+                if attempt == PUBLISH_ATTEMPTS:
+                    log.exception("gave up publishing %d stream events", len(events))
+                    return
+                log.warning("publishing %d stream events failed (try %d); retrying", len(events), attempt)
+                time.sleep(0.1 * 2**attempt)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from engine import Generator
-from producer.protocol import ControlMessage, control_channel
+from producer.protocol import ControlMessage, cancel_key, control_channel
 from worker.loop import EngineLoop
 from worker.publisher import Publisher
 from worker.settings import Settings
@@ -66,6 +66,8 @@ class ControlListener:
     """Subscribes to the control channel and forwards cancellations to the loop."""
 
     def __init__(self, client: redis.Redis, key_prefix: str, loop: EngineLoop) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(control_channel(key_prefix))
         self.loop = loop
@@ -89,6 +91,7 @@ class ControlListener:
                 self._stop.wait(1.0)
                 continue
             if message is None:
+                self._sweep_cancel_keys()
                 continue
             try:
                 command = ControlMessage.model_validate(json.loads(message["data"]))
@@ -96,6 +99,25 @@ class ControlListener:
                 log.warning("control channel: ignoring malformed message %r", message["data"][:200])
                 continue
             self.loop.cancel(command.cancel)
+
+    def _sweep_cancel_keys(self) -> None:
+        """Control messages are at-most-once (one published while the
+        subscription reconnects is lost); the cancel keys are not, so running
+        jobs' keys are checked whenever the channel is quiet for a second."""
+        identifiers = self.loop.active_identifiers()
+        if not identifiers:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for identifier in identifiers:
+                pipe.exists(cancel_key(identifier, self.key_prefix))
+            flags = pipe.execute()
+        except redis.RedisError:
+            log.warning("control channel: could not check cancel keys")
+            return
+        for identifier, cancelled in zip(identifiers, flags):
+            if cancelled:
+                self.loop.cancel(identifier)
 
 
 _runtime: Runtime | None = None
