@@ -22,18 +22,19 @@
               random prompt has ~300 distinct tokens in 384 and n-gram drafts are
               accepted ~1% of the time), but some prompts made of a short random
               pattern repeated (period 1, 2 or 4, cycled) lock them into a loop.
-              Candidates, in a fixed seeded order, are probed in batches with 24
+              Candidates, in a fixed seeded order, are probed in batches with 64
               greedy tokens (speculation off); a candidate is kept when the last
-              12 probe tokens repeat with a period of at most 8. The first 16 kept
+              32 probe tokens repeat with a period of at most 8. The first 16 kept
               form the workload (batch 16; batch 1 runs the first 4 of them, one
-              after another). The probe only looks at 24 tokens; the acceptance
+              after another). The probe looks at 64 tokens only; the acceptance
               rate over the 256 measured tokens is measured, not selected.
       random  control: random 128-token prompts, no selection (drafts rarely match,
               so this shows what speculation costs when it does not pay).
     Configurations: no speculation; use_ngram_draft with num_draft_tokens 4 and 8
     (max_ngram 4, max_speculative_batch 64 so that batch 16 still speculates); at
     batch 16 also num_draft_tokens 4 with the default max_speculative_batch (8), to
-    show speculation switching itself off for a batch that large.
+    show speculation switching itself off for a batch that large. The random
+    control runs without speculation and with 4 draft tokens only.
     Reported: generated tokens/s (all generated tokens / wall time; for batch 1
     the walls of the sequential runs are summed), speedup over no speculation,
     acceptance rate (accepted / drafted draft tokens, from stats), mean accepted
@@ -44,10 +45,14 @@
     min(num_draft_tokens, max_new_tokens - generated - 1)) over the
     no-speculation output; the replay's drafted/accepted totals are checked
     against the engine's stats, which cross-checks the engine's bookkeeping.
+    The same replay with a drafter whose copy may run on into its own draft
+    (see self_extending_draft) shows how much longer drafts loops would allow;
+    it is reported next to the measurements, never as one.
     Target: at batch 1 on the loop workload, >= 1.5x tokens/s.
 
-Timing: fp32 on CPU, --threads torch threads (default: all cores this process
-may use). Every run uses a fresh Generator over the same loaded model and KV
+Timing: fp32 on CPU, --threads torch threads (default 1: the results are
+ratios, and on a shared machine a team of 2 OpenMP threads stalls whenever a
+neighbour takes a core, which made 2-thread runs vary 3x from step to step). Every run uses a fresh Generator over the same loaded model and KV
 cache (so no prefix-cache state leaks between runs), after a warm-up of every
 code path. Each configuration runs --repeats times (2 full, 1 quick), the
 configurations interleaved so a busy neighbour hits all alike; the fastest
@@ -62,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import random
 import statistics
@@ -85,7 +91,7 @@ from bench_common import (
     warn_if_busy,
 )
 from engine import Generator, Job
-from engine.speculative import ngram_draft
+from engine.speculative import NGRAM_SEARCH_WINDOW, ngram_draft
 from engine.tiny_model import PRESETS, count_parameters
 from engine_throughput import compare_tokens
 from prefix_spec_report import markdown_table, plot
@@ -110,8 +116,8 @@ class SpecSpec:
     batch_sizes: tuple[int, ...] = (1, 16)
     batch1_prompts: int = 4
     draft_lengths: tuple[int, ...] = (4, 8)
-    probe_tokens: int = 24
-    probe_tail: int = 12
+    probe_tokens: int = 64
+    probe_tail: int = 32
     max_loop_period: int = 8
     probe_batch: int = 48
     max_candidates: int = 960
@@ -143,7 +149,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration (2; 1 quick)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     parser.add_argument(
-        "--threads", type=int, default=available_cores(), help="torch threads (default: all cores available)"
+        "--threads", type=int, default=1,
+        help=f"torch threads (default 1, see above; this machine offers {available_cores()})",
     )
     parser.add_argument("--page-size", type=int, default=16, help="KV page size (default 16)")
     parser.add_argument("--chunk-size", type=int, default=2048, help="max_chunk_size, tokens per step (default 2048)")
@@ -367,16 +374,38 @@ def select_loop_prompts(
     }
 
 
-def replay_ngram(prompt: list[int], output: list[int], num_draft: int, max_ngram: int) -> dict[str, int]:
-    """What greedy n-gram speculation does on this job, given the greedy output
-    it must reproduce: the first token comes from the prefill, every later decode
-    step drafts ngram_draft(context) cut to the room left (as the scheduler does)
-    and keeps the drafted tokens that match the output, plus one more."""
+def self_extending_draft(context: list[int], max_ngram: int, num_draft: int) -> list[int]:
+    """ngram_draft's match (the most recent earlier occurrence of the longest
+    suffix of up to max_ngram tokens), but the copy may run on into the draft
+    itself (an overlapping copy, as in LZ77), so a loop of period p drafts
+    num_draft tokens instead of p. Only replayed here, to show what such a
+    drafter would accept; the engine drafts with ngram_draft."""
+    window = context[-NGRAM_SEARCH_WINDOW:]
+    length = len(window)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = window[-n:]
+        for start in range(length - n - 1, -1, -1):
+            if window[start : start + n] == suffix:
+                extended = list(window)
+                for j in range(num_draft):
+                    extended.append(extended[start + n + j])
+                return extended[length:]
+    return []
+
+
+def replay(
+    prompt: list[int], output: list[int], num_draft: int, max_ngram: int,
+    drafter: Callable[[list[int], int, int], list[int]] = ngram_draft,
+) -> dict[str, int]:
+    """What greedy speculation with `drafter` does on this job, given the greedy
+    output it must reproduce: the first token comes from the prefill, every later
+    decode step drafts drafter(context) cut to the room left (as the scheduler
+    does) and keeps the drafted tokens that match the output, plus one more."""
     context = list(prompt) + output[:1]
     i, drafted, accepted, steps, verify_steps = 1, 0, 0, 0, 0
     while i < len(output):
         room = min(num_draft, len(output) - i - 1)
-        draft = ngram_draft(context, max_ngram, num_draft)[: max(room, 0)]
+        draft = drafter(context, max_ngram, num_draft)[: max(room, 0)] if room > 0 else []
         a = 0
         while a < len(draft) and draft[a] == output[i + a]:
             a += 1
@@ -387,6 +416,11 @@ def replay_ngram(prompt: list[int], output: list[int], num_draft: int, max_ngram
         context.extend(output[i : i + a + 1])
         i += a + 1
     return {"drafted": drafted, "accepted": accepted, "decode_steps": steps, "verify_steps": verify_steps}
+
+
+def _sum_replays(prompts: Sequence[list[int]], outputs: Sequence[list[int]], k: int, drafter: Any) -> dict[str, int]:
+    replays = [replay(p, out, k, 4, drafter) for p, out in zip(prompts, outputs)]
+    return {f: sum(r[f] for r in replays) for f in replays[0]}
 
 
 @dataclass(frozen=True)
@@ -451,6 +485,9 @@ def summarize_spec(trace: RunTrace, config: SpecConfig, replay: dict[str, int] |
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "rejected_draft_tokens_from_results": sum(e.get("rejected_draft_tokens") or 0 for e in trace.eos),
         "accepted_draft_tokens_from_results": sum(e.get("accepted_draft_tokens") or 0 for e in trace.eos),
+        "per_job_accepted_rejected": [
+            [e.get("accepted_draft_tokens") or 0, e.get("rejected_draft_tokens") or 0] for e in trace.eos
+        ],
         # the first token of a job comes from its prefill step, the rest from decode steps
         "tokens_per_decode_step": round(
             statistics.mean((len(t) - 1) / max(s - 1, 1) for t, s in zip(trace.tokens, trace.token_steps)), 4
@@ -461,6 +498,9 @@ def summarize_spec(trace: RunTrace, config: SpecConfig, replay: dict[str, int] |
         summary["verify_steps"] = replay["verify_steps"]
         summary["mean_accepted_per_verify_step"] = (
             round(replay["accepted"] / replay["verify_steps"], 4) if replay["verify_steps"] else None
+        )
+        summary["mean_draft_length"] = (
+            round(replay["drafted"] / replay["verify_steps"], 4) if replay["verify_steps"] else None
         )
         summary["engine_matches_replay"] = (replay["drafted"], replay["accepted"]) == (drafted, accepted)
     return summary
@@ -492,12 +532,13 @@ def bench_speculation(path: Path, spec: SpecSpec, args: argparse.Namespace) -> d
     for config in configs:
         run_jobs(factory(config, 2)(), warm, 24)
 
+    control = {"off", f"ngram_k{spec.draft_lengths[0]}"}  # the random workload only needs these
     cells = [
         (workload, batch, config)
         for workload in workloads
         for batch in spec.batch_sizes
         for config in configs
-        if batch in config.batch_sizes
+        if batch in config.batch_sizes and (workload == "loop" or config.name in control)
     ]
     walls: dict[tuple[str, int, str], list[float]] = {}
     traces: dict[tuple[str, int, str], RunTrace] = {}
@@ -530,13 +571,24 @@ def bench_speculation(path: Path, spec: SpecSpec, args: argparse.Namespace) -> d
                 key = (workload, batch, config.name)
                 if key not in traces:
                     continue
-                replay = None
+                replayed = extended = None
                 if config.speculates:
                     speculating = batch <= config.options.get("max_speculative_batch", DEFAULT_SPECULATIVE_BATCH)
                     k = config.options["num_draft_tokens"] if speculating else 0
-                    replays = [replay_ngram(p, out, k, 4) for p, out in zip(prompts, reference.tokens)]
-                    replay = {f: sum(r[f] for r in replays) for f in replays[0]}
-                row = summarize_spec(traces[key], config, replay)
+                    replayed = _sum_replays(prompts, reference.tokens, k, ngram_draft)
+                    extended = _sum_replays(prompts, reference.tokens, k, self_extending_draft)
+                row = summarize_spec(traces[key], config, replayed)
+                if extended is not None:
+                    row["replay_self_extending_draft"] = {
+                        **extended,
+                        "acceptance_rate": round(extended["accepted"] / extended["drafted"], 4)
+                        if extended["drafted"] else None,
+                        "mean_accepted_per_verify_step": round(extended["accepted"] / extended["verify_steps"], 4)
+                        if extended["verify_steps"] else None,
+                        "tokens_per_decode_step": round(
+                            (extended["accepted"] + extended["decode_steps"]) / extended["decode_steps"], 4)
+                        if extended["decode_steps"] else None,
+                    }
                 row["label"] = config.label
                 row["options"] = config.options
                 row["wall_s_all_repeats"] = walls[key]
@@ -585,8 +637,6 @@ def bench_speculation(path: Path, spec: SpecSpec, args: argparse.Namespace) -> d
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    import inspect
-
     default = inspect.signature(Generator.__init__).parameters["max_speculative_batch"].default
     if default != DEFAULT_SPECULATIVE_BATCH:
         progress(f"warning: Generator's default max_speculative_batch is {default}, this script assumes "

@@ -56,8 +56,8 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
         f"{loops} of {sel['candidates_probed']} probed candidates loop, first {len(sel['kept'])} used",
         "",
         "| workload | batch | configuration | gen tok/s | speedup | acceptance (accepted / drafted) "
-        "| accepted per verify step | tokens per decode step | outputs = no-spec |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| draft length per verify step | accepted per verify step | tokens per decode step | outputs = no-spec |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, by_batch in spec["results"].items():
         for batch, cell in by_batch.items():
@@ -68,11 +68,12 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
                     if rate is not None else ("no drafts" if name != "off" else "-")
                 )
                 per_verify = _fmt(row.get("mean_accepted_per_verify_step"), 2) if name != "off" else "-"
+                draft_len = _fmt(row.get("mean_draft_length"), 2) if name != "off" else "-"
                 same = row["outputs_identical_to_off"]
                 speedup = f"**{row['speedup']:.2f}x**" if name != "off" else "1.00x"
                 lines.append(
                     f"| {workload} | {batch} | {row['label']} | {row['generated_tok_s']:.1f} | {speedup} "
-                    f"| {acceptance} | {per_verify} | {row['tokens_per_decode_step']:.2f} "
+                    f"| {acceptance} | {draft_len} | {per_verify} | {row['tokens_per_decode_step']:.2f} "
                     f"| {same['identical_requests']}/{same['requests']} |"
                 )
     s = spec["speedup_batch1_loop"]
@@ -82,6 +83,17 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
         f"(best {_fmt(s['best'], 2, 'x')}); target >= {spec['target_speedup_batch1']}x: "
         f"{'met' if spec['target_met'] else 'NOT met'}.",
     ]
+    for batch, cell in spec["results"].get("loop", {}).items():
+        for name, row in cell["configs"].items():
+            ext = row.get("replay_self_extending_draft")
+            if ext and ext["verify_steps"]:
+                lines.append(
+                    f"Loop workload, batch {batch}, {row['label']}: the engine's drafts average "
+                    f"{_fmt(row.get('mean_draft_length'), 2)} tokens; a drafter whose copy may run on into its own "
+                    f"draft would draft {ext['drafted'] / ext['verify_steps']:.2f}, accept "
+                    f"{_fmt(ext['mean_accepted_per_verify_step'], 2)} per verify step and emit "
+                    f"{_fmt(ext['tokens_per_decode_step'], 2)} tokens per decode step (replayed on the same outputs)."
+                )
     mismatched = [
         f"{workload}/{batch}/{name}"
         for workload, by_batch in spec["results"].items()
@@ -104,7 +116,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     load = machine["load_average_at_start"]
     lines.append(
         f"{settings['model']} llama ({settings['parameters'] / 1e6:.1f}M parameters), fp32; {machine['cpu_model']}, "
-        f"{machine['torch_threads']} threads, torch {machine['torch']}; best of {settings['repeats']} "
+        f"torch threads: {machine['torch_threads']}, torch {machine['torch']}; best of {settings['repeats']} "
         f"repetition(s); load average at start {load[0] if load else 'n/a'}; {machine['date']}."
     )
     return "\n".join(lines)
@@ -129,7 +141,10 @@ def _plot_prefix(ax: plt.Axes, prefix: dict[str, Any]) -> None:
                  zorder=3, label="TTFT max")
     twin.set_ylabel("time to first token (ms)")
     handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper right")
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center",
+              bbox_to_anchor=(0.5, -0.08), ncol=4)
+    ax.set_ylim(0, max(computed) * 1.12)
+    twin.set_ylim(0, max(r["ttft_ms"]["max"] for r in runs) * 1.12)
     w = prefix["workload"]
     ax.set_title(
         f"(a) {w['num_requests']} requests sharing a {w['system_tokens']}-token prefix: "
@@ -160,10 +175,10 @@ def _plot_speculation(ax: plt.Axes, spec: dict[str, Any]) -> None:
             notes.append(f"{row['speedup']:.2f}x" + (f"\n{rate * 100:.0f}%" if rate is not None else ""))
         bars = ax.bar(xs, ys, width, label=labels[name], color=_SPEC_COLORS[k % len(_SPEC_COLORS)])
         ax.bar_label(bars, labels=notes, fontsize=7)
-    ax.set_xticks(range(len(groups)), [f"{wl} prompts\nbatch {b}" for wl, b in groups])
+    ax.set_xticks(range(len(groups)), [f"{wl} prompts, batch {b}" for wl, b in groups], fontsize=8)
     ax.set_ylabel("generated tokens/s")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
     ax.set_title("(b) n-gram speculation: tokens/s (labels: speedup, acceptance rate)", fontsize=10)
 
 
@@ -174,10 +189,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         (_plot_prefix if panel == "prefix" else _plot_speculation)(ax, results[panel])
     machine, settings = results["machine"], results["settings"]
     fig.suptitle(
-        f"{settings['model']} llama, greedy, fp32 - {machine['cpu_model']}, {machine['torch_threads']} threads - "
+        f"{settings['model']} llama, greedy, fp32 - {machine['cpu_model']}, torch threads: {machine['torch_threads']} - "
         f"{machine['date']}",
         fontsize=10,
     )
     fig.tight_layout()
+    fig.subplots_adjust(bottom=0.22)
     fig.savefig(path, dpi=120)
     plt.close(fig)

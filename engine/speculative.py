@@ -26,7 +26,9 @@ NGRAM_SEARCH_WINDOW = 2048
 
 def ngram_draft(tokens: Sequence[int], max_ngram: int, num_draft: int) -> list[int]:
     """Tokens that followed the most recent earlier occurrence of the longest
-    suffix (up to max_ngram tokens) of the context, as prompt-lookup decoding does."""
+    suffix (up to max_ngram tokens) of the context, as prompt-lookup decoding
+    does. The copy runs on into its own output, so a loop of period p still
+    yields num_draft tokens rather than p."""
     if num_draft <= 0:
         return []
     context = list(tokens[-NGRAM_SEARCH_WINDOW:])
@@ -35,7 +37,10 @@ def ngram_draft(tokens: Sequence[int], max_ngram: int, num_draft: int) -> list[i
         suffix = context[-n:]
         for start in range(length - n - 1, -1, -1):
             if context[start : start + n] == suffix:
-                return context[start + n : start + n + num_draft]
+                extended = context + []
+                for j in range(num_draft):
+                    extended.append(extended[start + n + j])
+                return extended[length:]
     return []
 
 

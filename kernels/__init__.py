@@ -1,10 +1,100 @@
 """Attention, KV-write, norm, RoPE and activation kernels over the paged layout.
 
-Every operation is one function here. Today each resolves to its torch
-reference (kernels/reference.py), the CPU path; the Triton implementations
-for CUDA plug in behind these same names.
+Every operation is one function here, dispatched per call:
+
+- the Triton kernels (kernels/triton_kernels.py) when the tensors are on CUDA,
+  or when the environment variable GENQ_FORCE_TRITON=1 (on CPU tensors that
+  means Triton's interpreter: TRITON_INTERPRET=1 is set for you if triton has
+  not been imported yet, and it is an error if it was imported without it);
+- otherwise the torch reference (kernels/reference.py), the CPU path.
+
+triton is imported only when the Triton path is first taken, so this package
+imports (and the CPU path works) without triton installed; taking the Triton
+path without it fails loudly. This package imports nothing else of ours.
 """
 
-from kernels.reference import apply_rope, paged_attention, rms_norm, silu_and_mul, write_kv
+from __future__ import annotations
 
-__all__ = ["apply_rope", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+
+__all__ = ["apply_rope", "paged_attention", "rms_norm", "silu_and_mul", "write_kv", "triton_enabled"]
+
+FORCE_ENV = "GENQ_FORCE_TRITON"
+_triton: ModuleType | None = None
+
+
+def _forced() -> bool:
+    return os.environ.get(FORCE_ENV, "") not in ("", "0")
+
+
+def triton_enabled(x: torch.Tensor) -> bool:
+    """Whether an operation on `x` takes the Triton path."""
+    return x.is_cuda or _forced()
+
+
+def _impl(x: torch.Tensor) -> ModuleType:
+    if not triton_enabled(x):
+        return reference
+    global _triton
+    if _triton is None:
+        if not x.is_cuda:
+            if sys.modules.get("triton") is None:  # not imported yet
+                os.environ.setdefault("TRITON_INTERPRET", "1")
+            if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+                raise RuntimeError(
+                    f"{FORCE_ENV}=1 on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                    "before anything imports triton"
+                )
+        try:
+            from kernels import triton_kernels
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ImportError(
+                f"the Triton kernel path was requested (CUDA tensors or {FORCE_ENV}=1) but triton "
+                f"cannot be imported: {exc}"
+            ) from exc
+        _triton = triton_kernels
+    return _triton
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _impl(x).rms_norm(x, weight, eps, residual)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    return _impl(q).apply_rope(q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _impl(gate_up).silu_and_mul(gate_up)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    return _impl(k).write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    return _impl(q).paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window)
+
+
+for _name in ("rms_norm", "apply_rope", "silu_and_mul", "write_kv", "paged_attention"):
+    globals()[_name].__doc__ = getattr(reference, _name).__doc__
+del _name

@@ -77,32 +77,34 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D].
 
-    Single-token (decode) rows are grouped by context length, so padding to
-    the longest row in a group wastes at most ~30%, and each group runs as one
-    padded batch; multi-token (prefill chunk) rows run one sequence at a time.
+    Rows with few query tokens (decodes, and speculative verify rows of
+    1 + drafts) are grouped by query length and context length, so padding
+    to the longest row in a group wastes at most ~30%, and each group runs as
+    one padded batch; longer (prefill chunk) rows run one sequence at a time.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     page_size = k_cache.shape[2]
-    decode_rows: list[int] = []
+    short_rows: dict[int, list[int]] = {}
     for b in range(len(ctx)):
         q_len = starts[b + 1] - starts[b]
-        if q_len == 1:
-            decode_rows.append(b)
+        if q_len <= BATCHED_QUERY_LEN:
+            short_rows.setdefault(q_len, []).append(b)
             continue
         s = starts[b]
         out[s : s + q_len] = _attend(
             q[s : s + q_len].unsqueeze(0), k_cache, v_cache, page_table[b : b + 1], ctx[b : b + 1], scale,
             sliding_window,
         ).squeeze(0)
-    for group in _length_groups(decode_rows, ctx, page_size):
-        rows = torch.tensor(group, device=q.device)
-        token_idx = cu_seqlens_q[:-1].long()[rows]
-        out[token_idx] = _attend(
-            q[token_idx].unsqueeze(1), k_cache, v_cache, page_table[rows], [ctx[b] for b in group], scale,
-            sliding_window,
-        ).squeeze(1)
+    for q_len, rows in short_rows.items():
+        for group in _length_groups(rows, ctx, page_size):
+            index = torch.tensor(group, device=q.device)
+            token_idx = (cu_seqlens_q[:-1].long()[index].unsqueeze(1) + torch.arange(q_len, device=q.device)).reshape(-1)
+            out[token_idx] = _attend(
+                q[token_idx].view(len(group), q_len, *q.shape[1:]), k_cache, v_cache, page_table[index],
+                [ctx[b] for b in group], scale, sliding_window,
+            ).reshape(-1, *q.shape[1:])
     return out
 
 
@@ -119,6 +121,9 @@ def _length_groups(rows: list[int], ctx: list[int], page_size: int, min_fill: fl
         groups[-1].append(b)
     return groups
 
+
+#: Rows with at most this many query tokens are batched together (decode, verify).
+BATCHED_QUERY_LEN = 16
 
 _workspace = threading.local()
 

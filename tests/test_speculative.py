@@ -45,6 +45,8 @@ def repetitive_prompts() -> list[list[int]]:
 
 def test_ngram_draft_follows_the_latest_longest_match():
     assert ngram_draft([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], max_ngram=3, num_draft=2) == [7, 1]
+    assert ngram_draft([9, 9, 9, 9], max_ngram=4, num_draft=4) == [9, 9, 9, 9]
+    assert ngram_draft([4, 1, 2, 1, 2], max_ngram=2, num_draft=5) == [1, 2, 1, 2, 1]
     assert ngram_draft([5, 6, 7, 8, 6], max_ngram=4, num_draft=3) == [7, 8, 6]
     assert ngram_draft([1, 2, 3], max_ngram=4, num_draft=3) == []
     assert ngram_draft([4, 4], max_ngram=2, num_draft=0) == []

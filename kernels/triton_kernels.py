@@ -1,0 +1,506 @@
+"""Triton implementations of every kernel in kernels/reference.py, with the
+same signatures and the same paged layout (see that module's docstring).
+
+Importing this module needs triton. On a machine without a GPU the kernels
+run in Triton's interpreter (TRITON_INTERPRET=1, which must be set before
+triton is imported); kernels/__init__.py arranges that when the Triton path is
+forced on CPU tensors.
+
+Design (after vLLM's unified Triton attention and flash-decoding):
+
+- paged_attention is one kernel, `_paged_attention_kernel`, over a grid of
+  (query block, KV head, KV split). A query block holds BLOCK_Q consecutive
+  query tokens of ONE sequence times the G query heads sharing a KV head
+  (GQA grouping: the K/V tiles are loaded once for all G heads), flattened
+  into BLOCK_M = BLOCK_Q * next_pow2(G) rows of a tl.dot. The program walks
+  the sequence's context in BLOCK_N-token tiles, reading K/V through the page
+  table one token row at a time (so any page size works, and a tile may span
+  pages), with an online softmax in fp32. Query token i of sequence b sits at
+  position context_lens[b] - q_len + i and sees keys <= its position (and
+  > position - sliding_window), which covers chunked prefill, prefix-cache
+  hits and decode rows with one code path.
+- Decode-only steps (T == B, known from shapes, no device sync) use one
+  query token per block and split the context across NUM_SPLITS programs
+  (flash-decoding); each writes a partial output and its log-sum-exp, and
+  `_merge_splits_kernel` combines them. Steps with prefill rows use one split
+  (their query blocks already fill the GPU).
+- The query-block -> sequence mapping is found in the kernel by a binary
+  search over cu_seqlens_q (as vLLM does), so no host sync is needed.
+- Accumulation is fp32 throughout; fp32 inputs use IEEE dot products (no TF32)
+  so the kernels match the reference to 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Two of the interpreter's bf16 shortcomings are worked around under it (and
+# only there): it truncates fp32 -> bf16 casts where the GPU rounds to nearest
+# even (as torch does), so `_cast` rounds by hand; and its tl.dot multiplies
+# bf16 operands as raw integers, so `_dot` feeds it fp32.
+_INTERPRETER_WORKAROUNDS = tl.constexpr(_INTERPRET)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """x.to(dtype) with round-to-nearest-even, on the GPU and in the interpreter."""
+    if _INTERPRETER_WORKAROUNDS and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """tl.dot with fp32 accumulation. The interpreter multiplies bf16 operands
+    as their raw uint16 bits, so there they go in as fp32 (exact: a bf16 x bf16
+    product fits fp32), which is what the GPU's tensor cores compute too."""
+    if _INTERPRETER_WORKAROUNDS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """x (fp32) rounded to dtype's precision and kept in fp32: reproduces the
+    rounding of a torch op computed in dtype."""
+    return _cast(x, dtype).to(tl.float32)
+
+
+def _row_view(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as a 2-D [rows, width] view with unit stride along width (copying
+    only if it cannot be viewed that way)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, width)
+    except RuntimeError:
+        return x.reshape(-1, width)
+
+
+def _block(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # the sum is rounded to the activation dtype, as the reference's x + residual is
+        x = _cast(x.to(tl.float32) + r.to(tl.float32), x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    var = tl.sum(x32 * x32, axis=0) / n_cols
+    normed = _cast(x32 * (1.0 / tl.sqrt(var + eps)), x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, _cast(y, out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim in fp32; with `residual`, first adds it to x
+    and also returns the sum (the next residual). New tensors, like the reference."""
+    n = x.shape[-1]
+    x2 = _row_view(x, n)
+    out_dtype = torch.result_type(weight, x)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    out2 = out.view(-1, n)
+    res_out = res2 = res_out2 = None
+    if residual is not None:
+        res2 = _row_view(residual.to(x.dtype), n)
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        res_out2 = res_out.view(-1, n)
+    rows = x2.shape[0]
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x2, res2 if res2 is not None else x2, weight.contiguous(), out2,
+            res_out2 if res_out2 is not None else out2,
+            x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0),
+            res_out2.stride(0) if res_out2 is not None else 0,
+            n, float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK=_block(n),
+        )
+    return out, res_out
+
+
+# --------------------------------------------------------------------------- SiLU * mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    # silu rounded to the activation dtype before the product, as F.silu(gate) * up does
+    act = _cast(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty)
+    y = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, _cast(y, out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for the fused [..., 2 * I] gate/up projection."""
+    width = gate_up.shape[-1]
+    inter = width // 2
+    x2 = _row_view(gate_up, width)
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
+    out2 = out.view(-1, inter)
+    block = min(_block(inter), 1024)
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr,
+    stride_xt, stride_xh, stride_ct, stride_st,
+    num_heads, half,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < half
+    mask = (heads[:, None] < num_heads) & dmask[None, :]
+    dtype = x_ptr.dtype.element_ty
+    # cos/sin are cast to the activation dtype first, as the reference does
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + half + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + half + d, mask=dmask, other=0.0).to(tl.float32)
+    base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _round(c1, dtype), _round(c2, dtype), _round(s1, dtype), _round(s2, dtype)
+    # each product and the sum rounded to the activation dtype, as the reference's
+    # x * cos + rotate_half(x) * sin (and Hugging Face's) are
+    y1 = _round(x1 * c1[None, :], dtype) + _round(-x2 * s1[None, :], dtype)
+    y2 = _round(x2 * c2[None, :], dtype) + _round(x1 * s2[None, :], dtype)
+    tl.store(base, _cast(y1, dtype), mask=mask)
+    tl.store(base + half, _cast(y2, dtype), mask=mask)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout).
+    cos/sin are [T, D] (the half-frequency table repeated twice; any scaling,
+    llama3 included, is already in the table)."""
+    tokens, head_dim = q.shape[0], q.shape[-1]
+    if tokens == 0:
+        return
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    half = head_dim // 2
+    for x in (q, k):
+        if x.stride(-1) != 1:
+            raise ValueError("apply_rope needs a unit stride along head_dim (it rotates in place)")
+        _rope_kernel[(tokens,)](
+            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), x.shape[1], half,
+            BLOCK_H=_block(x.shape[1]), BLOCK_HALF=_block(half),
+        )
+
+
+# --------------------------------------------------------------------------- KV write
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s,
+    head_dim,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # negative slots mark padding tokens (vLLM's convention); skip them
+        d = tl.arange(0, BLOCK_D)
+        mask = d < head_dim
+        kv = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        tl.store(k_cache_ptr + h * stride_kc_h + slot * stride_kc_s + d, _cast(kv, k_cache_ptr.dtype.element_ty), mask=mask)
+        vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(v_cache_ptr + h * stride_vc_h + slot * stride_vc_s + d, _cast(vv, v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _slot_stride(cache: torch.Tensor) -> int:
+    """Stride between consecutive slots of one head: needs the (page, offset)
+    dims to be one run and head_dim contiguous."""
+    if cache.stride(3) != 1 or cache.stride(1) != cache.shape[2] * cache.stride(2):
+        raise ValueError("KV cache must be [heads, pages, page_size, head_dim] with contiguous pages")
+    return cache.stride(2)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's K/V [T, Hkv, D] into their cache slots."""
+    tokens, num_kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _write_kv_kernel[(tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping.contiguous(),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), _slot_stride(k_cache), v_cache.stride(0), _slot_stride(v_cache),
+        head_dim, BLOCK_D=_block(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------- paged attention
+
+
+@triton.jit
+def _find_sequence(cu_q_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence b whose query blocks hold `block_idx`: query blocks of b are
+    numbered from cu_q[b] // BLOCK_Q + b (an upper bound on the blocks before it)."""
+    lo = block_idx * 0  # int32 tensors from the start: loop-carried types must not change
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if start <= block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    page_table_ptr, cu_q_ptr, ctx_ptr,
+    scale, num_seqs, num_query_heads, head_dim, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kc_h, stride_kc_p, stride_kc_s, stride_vc_h, stride_vc_p, stride_vc_s,
+    stride_pt, page_size,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    block_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:
+        seq = block_idx
+        q_block = 0
+    else:
+        seq = _find_sequence(cu_q_ptr, block_idx, num_seqs, BLOCK_Q)
+        q_block = block_idx - (tl.load(cu_q_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q < q_len:
+        ctx = tl.load(ctx_ptr + seq)
+        first_pos = ctx - q_len  # position of query token 0
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_block * BLOCK_Q + rows // GROUP_PAD
+        head_in_group = rows % GROUP_PAD
+        head = kv_head * GROUP + head_in_group
+        row_valid = (tok < q_len) & (head_in_group < GROUP)
+        q_pos = first_pos + tok
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < head_dim
+
+        q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
+
+        # keys this block can see: [kv_lo, kv_hi)
+        last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_hi = first_pos + last_tok + 1
+        kv_lo = 0
+        if HAS_WINDOW:
+            kv_lo = tl.maximum(first_pos + q_block * BLOCK_Q - sliding_window + 1, 0)
+            kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+        num_tiles = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_begin = split * tiles_per_split
+        tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        kc_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
+        vc_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
+        pt_row = page_table_ptr + seq.to(tl.int64) * stride_pt
+        for tile in range(tile_begin, tile_end):
+            n = kv_lo + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_valid = n < kv_hi
+            page = tl.load(pt_row + n // page_size, mask=n_valid, other=0).to(tl.int64)
+            in_page = (n % page_size).to(tl.int64)
+            k_offs = page * stride_kc_p + in_page * stride_kc_s
+            v_offs = page * stride_vc_p + in_page * stride_vc_s
+            kt = tl.load(kc_base + k_offs[None, :] + d[:, None], mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+            v = tl.load(vc_base + v_offs[:, None] + d[None, :], mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+            kt = _cast(kt, q.dtype)
+            v = _cast(v, q.dtype)
+            s = _dot(q, kt, IEEE)
+            s = s * qk_scale
+            visible = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (n[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = _dot(_cast(p, v.dtype), v, IEEE)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tok64 = (q_start + tok).to(tl.int64)
+        store_mask = row_valid[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptr + o_offs, _cast(out, out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            # partials: [T, Hq, NUM_SPLITS, BLOCK_D] fp32 and log2-sum-exp [T, Hq, NUM_SPLITS]
+            row_id = tok64 * num_query_heads + head
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(part_lse_ptr + row_id * NUM_SPLITS + split, lse, mask=row_valid)
+            p_offs = (row_id * NUM_SPLITS + split)[:, None] * BLOCK_D + d[None, :]
+            tl.store(part_out_ptr + p_offs, out, mask=store_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_query_heads, head_dim, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    row_id = t * num_query_heads + h
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row_id * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+    w = w / tl.sum(w, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    parts = tl.load(
+        part_out_ptr + (row_id * NUM_SPLITS + s)[:, None] * BLOCK_D + d[None, :],
+        mask=s_mask[:, None] & (w[:, None] > 0.0), other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, _cast(out, out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def _num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU about twice over; the split of each
+    sequence's own context is computed in the kernel."""
+    if device.type != "cuda":
+        return 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(16, triton.cdiv(2 * sms, batch * num_kv_heads)))
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """paged_attention with the tiling exposed (the tests force splits and
+    small blocks to reach every path)."""
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    batch = context_lens.shape[0]
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("KV cache head_dim must be contiguous")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    group = num_heads // num_kv_heads
+    group_pad = _block(group)
+    decode_only = tokens == batch  # every sequence has >= 1 query token, so this means q_len == 1 for all
+    if block_m is None:
+        block_m = 16 if (decode_only or _INTERPRET or q.device.type != "cuda") else 64
+    block_m = max(block_m, group_pad, 16)  # tl.dot needs M >= 16
+    block_q = 1 if decode_only else block_m // group_pad
+    block_n = block_n or (16 if _INTERPRET or q.device.type != "cuda" else 64)
+    block_d = _block(head_dim)
+    if num_splits is None:
+        num_splits = _num_splits(batch, num_kv_heads, q.device) if decode_only else 1
+    num_blocks = batch if decode_only else tokens // block_q + batch
+    if num_splits > 1:
+        part_out = torch.empty(tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_attention_kernel[(num_blocks, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        page_table, cu_seqlens_q, context_lens,
+        float(scale), batch, num_heads, head_dim, int(sliding_window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), k_cache.shape[2],
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
+        HAS_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(tokens, num_heads)](
+            part_out, part_lse, out, num_heads, head_dim, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=_block(num_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D]."""
+    return _paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window)

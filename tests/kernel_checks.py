@@ -1,0 +1,244 @@
+"""Kernel-vs-reference checks, run by tests/test_kernels.py in a fresh process
+per group with TRITON_INTERPRET=1 set before triton is imported.
+
+    TRITON_INTERPRET=1 python tests/kernel_checks.py GROUP
+
+Each check compares a Triton kernel with its torch reference (kernels/reference.py)
+and raises AssertionError with the worst error; prints one line per case.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from kernels import reference as ref  # noqa: E402
+from kernels import triton_kernels as tk  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    print(f"{name}: max abs err {err:.3g}")
+    assert err <= TOL[dtype], f"{name}: max abs err {err} > {TOL[dtype]}"
+
+
+def check_rms_norm() -> None:
+    g = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        for shape in ((5, 64), (3, 4, 64), (2, 48)):  # 48: a non-power-of-two width
+            x = torch.randn(shape, generator=g).to(dtype)
+            w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+            r = torch.randn(shape, generator=g).to(dtype)
+            got, none = tk.rms_norm(x, w, 1e-6)
+            want, _ = ref.rms_norm(x, w, 1e-6)
+            assert none is None
+            close(f"rms_norm {dtype} {shape}", got, want, dtype)
+            got, got_res = tk.rms_norm(x, w, 1e-6, r)
+            want, want_res = ref.rms_norm(x, w, 1e-6, r)
+            close(f"rms_norm+residual {dtype} {shape}", got, want, dtype)
+            close(f"rms_norm residual-out {dtype} {shape}", got_res, want_res, dtype)
+        # a strided input: the q slice of a fused qkv projection, as the engine's q_norm sees it
+        qkv = torch.randn(3, 2 * 64 + 64, generator=g).to(dtype)
+        q = qkv[:, :128].reshape(3, 2, 64)
+        w = torch.randn(64, generator=g).to(dtype)
+        close(f"rms_norm strided {dtype}", tk.rms_norm(q, w, 1e-5)[0], ref.rms_norm(q, w, 1e-5)[0], dtype)
+
+
+def check_silu_and_mul() -> None:
+    g = torch.Generator().manual_seed(1)
+    for dtype in DTYPES:
+        for shape in ((4, 2 * 96), (2, 3, 2 * 64), (1, 2 * 1500)):  # 1500 > one 1024-wide block
+            x = (2 * torch.randn(shape, generator=g)).to(dtype)
+            close(f"silu_and_mul {dtype} {shape}", tk.silu_and_mul(x), ref.silu_and_mul(x), dtype)
+
+
+def check_apply_rope() -> None:
+    g = torch.Generator().manual_seed(2)
+    for dtype in DTYPES:
+        for tokens, hq, hkv, d in ((5, 4, 1, 64), (3, 8, 8, 128), (2, 6, 2, 32)):
+            q = torch.randn(tokens, hq, d, generator=g).to(dtype)
+            k = torch.randn(tokens, hkv, d, generator=g).to(dtype)
+            pos = torch.arange(tokens).float() * 37
+            inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+            freqs = torch.outer(pos, inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
+            assert tk.apply_rope(q1, k1, cos, sin) is None
+            ref.apply_rope(q2, k2, cos, sin)
+            close(f"apply_rope q {dtype} {(tokens, hq, hkv, d)}", q1, q2, dtype)
+            close(f"apply_rope k {dtype} {(tokens, hq, hkv, d)}", k1, k2, dtype)
+
+
+def check_write_kv() -> None:
+    g = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        hkv, pages, page_size, d = 2, 5, 4, 64
+        tokens = 7
+        slots = torch.randperm(pages * page_size, generator=g)[:tokens]  # crosses page boundaries
+        k = torch.randn(tokens, hkv, d, generator=g).to(dtype)
+        v = torch.randn(tokens, hkv, d, generator=g).to(dtype)
+        caches = [torch.randn(hkv, pages, page_size, d, generator=g).to(dtype) for _ in range(2)]
+        kc1, vc1 = (c.clone() for c in caches)
+        kc2, vc2 = (c.clone() for c in caches)
+        tk.write_kv(k, v, kc1, vc1, slots)
+        ref.write_kv(k, v, kc2, vc2, slots)
+        assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), f"write_kv {dtype}: caches differ"
+        # a strided k/v (slices of a fused projection) and int32 slots
+        kv = torch.randn(tokens, 2 * hkv * d, generator=g).to(dtype)
+        k, v = kv[:, : hkv * d].view(tokens, hkv, d), kv[:, hkv * d :].view(tokens, hkv, d)
+        tk.write_kv(k, v, kc1, vc1, slots.int())
+        ref.write_kv(k, v, kc2, vc2, slots)
+        assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), f"write_kv strided {dtype}: caches differ"
+        print(f"write_kv {dtype}: exact")
+
+
+def _attention_case(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    hkv: int,
+    group: int,
+    d: int,
+    page_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    window: int | None = None,
+    **tiling: int,
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    batch = len(q_lens)
+    max_pages = max(-(-c // page_size) for c in ctx_lens) + 1  # one padding column
+    num_pages = batch * max_pages + 3
+    k_cache = torch.randn(hkv, num_pages, page_size, d, generator=g).to(dtype)
+    v_cache = torch.randn(hkv, num_pages, page_size, d, generator=g).to(dtype)
+    # scattered, non-monotonic physical pages; padding entries point at a valid page
+    page_table = torch.randperm(num_pages, generator=g)[: batch * max_pages].view(batch, max_pages).int()
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hkv * group, d, generator=g).to(dtype)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    scale = d**-0.5
+    want = ref.paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window)
+    got = tk._paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, **tiling)
+    close(
+        f"paged_attention q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} page={page_size} "
+        f"window={window} {tiling} {dtype}",
+        got, want, dtype,
+    )
+
+
+def check_attention_decode() -> None:
+    """Decode-only batches: the split-K path with the log-sum-exp merge."""
+    for dtype in DTYPES:
+        # contexts of one token, exactly one page, one past a page boundary, several pages; GQA 1/4/8
+        _attention_case([1, 1, 1, 1], [1, 16, 17, 45], hkv=2, group=4, d=64, page_size=16, dtype=dtype, seed=10)
+        _attention_case([1, 1], [1, 33], hkv=1, group=8, d=64, page_size=8, dtype=dtype, seed=11, num_splits=3)
+        _attention_case([1, 1, 1], [5, 8, 9], hkv=2, group=1, d=64, page_size=4, dtype=dtype, seed=12, num_splits=1)
+    _attention_case([1, 1], [2, 40], hkv=2, group=4, d=128, page_size=16, dtype=torch.float32, seed=13)
+    _attention_case([1, 1], [3, 40], hkv=1, group=4, d=64, page_size=8, dtype=torch.float32, seed=14, window=7)
+
+
+def check_attention_prefill() -> None:
+    """Prefill chunks (cached prefix + causal self) and mixed prefill/decode batches."""
+    for dtype in DTYPES:
+        # mixed: a fresh prefill, a chunk on a cached prefix crossing a page boundary, a decode, a one-token context
+        _attention_case([7, 5, 1, 1], [7, 21, 30, 1], hkv=2, group=4, d=64, page_size=8, dtype=dtype, seed=20)
+        _attention_case([9, 1], [12, 17], hkv=1, group=8, d=64, page_size=4, dtype=dtype, seed=21)
+        _attention_case([20, 1, 3], [20, 2, 40], hkv=2, group=1, d=64, page_size=16, dtype=dtype, seed=22)
+    # splits on a mixed batch, head_dim 128, sliding window (also across chunk and page boundaries)
+    _attention_case([6, 1], [14, 25], hkv=2, group=4, d=64, page_size=8, dtype=torch.float32, seed=23, num_splits=2)
+    _attention_case([5, 1], [9, 20], hkv=1, group=4, d=128, page_size=8, dtype=torch.float32, seed=24)
+    _attention_case([12, 1], [30, 19], hkv=2, group=4, d=64, page_size=4, dtype=torch.float32, seed=25, window=6)
+    _attention_case([12, 1], [30, 19], hkv=2, group=4, d=64, page_size=4, dtype=torch.bfloat16, seed=25, window=6)
+    # a GQA ratio that is not a power of two, and a page size that is not one either
+    _attention_case([4, 1], [11, 7], hkv=2, group=3, d=64, page_size=6, dtype=torch.float32, seed=26)
+
+
+def _greedy_run(model_dir: str, forced: bool) -> dict[str, list[int]]:
+    """Greedy completions of a batch with chunked prefill, decodes in the same
+    steps and a prefix-cache hit, with the Triton path forced or not."""
+    from engine import Generator, Job, SamplerSettings
+
+    os.environ["GENQ_FORCE_TRITON"] = "1" if forced else "0"
+    try:
+        gen = Generator.from_pretrained(model_dir, cache_tokens=256, page_size=8, max_chunk_size=12, max_batch_size=4)
+        base = list(range(40, 60))
+        prompts = {"a": base, "b": [7, 8, 9], "c": base[:16] + [99, 98, 97]}  # c shares a's first two pages
+        greedy = SamplerSettings(temperature=0.0)
+        out: dict[str, list[int]] = {}
+        gen.enqueue(Job(prompts["a"], 4, stop_conditions=[], gen_settings=greedy, identifier="a"))
+        gen.enqueue(Job(prompts["b"], 6, stop_conditions=[], gen_settings=greedy, identifier="b"))
+        steps = 0
+        cached = 0
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                out.setdefault(r["identifier"], []).extend(r["token_ids"])
+                if r["eos"]:
+                    cached += r["cached_tokens"]
+                    if r["identifier"] == "a":  # enqueued after a's pages are cached
+                        gen.enqueue(Job(prompts["c"], 3, stop_conditions=[], gen_settings=greedy, identifier="c"))
+            steps += 1
+        assert cached >= 16, f"expected a prefix-cache hit, got {cached} cached tokens"
+        return out
+    finally:
+        os.environ.pop("GENQ_FORCE_TRITON", None)
+
+
+def check_engine() -> None:
+    """The whole engine's greedy tokens, Triton (interpreter) vs the torch reference."""
+    import tempfile
+
+    import kernels
+    from engine.tiny_model import make_tiny_model
+
+    calls: dict[str, int] = {}
+    shapes: set[str] = set()  # kinds of attention batch seen: decode-only, prefill-only, mixed
+    for name in ("rms_norm", "apply_rope", "silu_and_mul", "write_kv", "paged_attention"):
+        original = getattr(tk, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            if _name == "paged_attention":
+                q_lens = set(args[4].diff().tolist())
+                shapes.add("mixed" if 1 in q_lens and len(q_lens) > 1 else "decode" if q_lens == {1} else "prefill")
+            return _original(*args, **kwargs)
+
+        setattr(tk, name, counted)
+    kernels._triton = tk
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in ("llama", "qwen3"):
+            model_dir = str(make_tiny_model(os.path.join(tmp, family), family=family))
+            want = _greedy_run(model_dir, forced=False)
+            assert not calls, f"the reference run reached Triton: {calls}"
+            got = _greedy_run(model_dir, forced=True)
+            assert set(calls) == {"rms_norm", "apply_rope", "silu_and_mul", "write_kv", "paged_attention"}, calls
+            print(f"engine {family}: {want} kernel calls {calls}")
+            assert got == want, f"{family}: triton {got} != reference {want}"
+            assert shapes == {"mixed", "decode", "prefill"}, shapes
+            calls.clear()
+            shapes.clear()
+
+
+GROUPS = {
+    "rms_norm": check_rms_norm,
+    "silu_and_mul": check_silu_and_mul,
+    "apply_rope": check_apply_rope,
+    "write_kv": check_write_kv,
+    "attention_decode": check_attention_decode,
+    "attention_prefill": check_attention_prefill,
+    "engine": check_engine,
+}
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or list(GROUPS):
+        GROUPS[name]()
