@@ -45,9 +45,6 @@
     min(num_draft_tokens, max_new_tokens - generated - 1)) over the
     no-speculation output; the replay's drafted/accepted totals are checked
     against the engine's stats, which cross-checks the engine's bookkeeping.
-    The same replay with a drafter whose copy may run on into its own draft
-    (see self_extending_draft) shows how much longer drafts loops would allow;
-    it is reported next to the measurements, never as one.
     Target: at batch 1 on the loop workload, >= 1.5x tokens/s.
 
 Timing: fp32 on CPU, --threads torch threads (default 1: the results are
@@ -374,25 +371,6 @@ def select_loop_prompts(
     }
 
 
-def self_extending_draft(context: list[int], max_ngram: int, num_draft: int) -> list[int]:
-    """ngram_draft's match (the most recent earlier occurrence of the longest
-    suffix of up to max_ngram tokens), but the copy may run on into the draft
-    itself (an overlapping copy, as in LZ77), so a loop of period p drafts
-    num_draft tokens instead of p. Only replayed here, to show what such a
-    drafter would accept; the engine drafts with ngram_draft."""
-    window = context[-NGRAM_SEARCH_WINDOW:]
-    length = len(window)
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        suffix = window[-n:]
-        for start in range(length - n - 1, -1, -1):
-            if window[start : start + n] == suffix:
-                extended = list(window)
-                for j in range(num_draft):
-                    extended.append(extended[start + n + j])
-                return extended[length:]
-    return []
-
-
 def replay(
     prompt: list[int], output: list[int], num_draft: int, max_ngram: int,
     drafter: Callable[[list[int], int, int], list[int]] = ngram_draft,
@@ -571,24 +549,12 @@ def bench_speculation(path: Path, spec: SpecSpec, args: argparse.Namespace) -> d
                 key = (workload, batch, config.name)
                 if key not in traces:
                     continue
-                replayed = extended = None
+                replayed = None
                 if config.speculates:
                     speculating = batch <= config.options.get("max_speculative_batch", DEFAULT_SPECULATIVE_BATCH)
                     k = config.options["num_draft_tokens"] if speculating else 0
                     replayed = _sum_replays(prompts, reference.tokens, k, ngram_draft)
-                    extended = _sum_replays(prompts, reference.tokens, k, self_extending_draft)
                 row = summarize_spec(traces[key], config, replayed)
-                if extended is not None:
-                    row["replay_self_extending_draft"] = {
-                        **extended,
-                        "acceptance_rate": round(extended["accepted"] / extended["drafted"], 4)
-                        if extended["drafted"] else None,
-                        "mean_accepted_per_verify_step": round(extended["accepted"] / extended["verify_steps"], 4)
-                        if extended["verify_steps"] else None,
-                        "tokens_per_decode_step": round(
-                            (extended["accepted"] + extended["decode_steps"]) / extended["decode_steps"], 4)
-                        if extended["decode_steps"] else None,
-                    }
                 row["label"] = config.label
                 row["options"] = config.options
                 row["wall_s_all_repeats"] = walls[key]

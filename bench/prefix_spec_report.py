@@ -83,17 +83,6 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
         f"(best {_fmt(s['best'], 2, 'x')}); target >= {spec['target_speedup_batch1']}x: "
         f"{'met' if spec['target_met'] else 'NOT met'}.",
     ]
-    for batch, cell in spec["results"].get("loop", {}).items():
-        for name, row in cell["configs"].items():
-            ext = row.get("replay_self_extending_draft")
-            if ext and ext["verify_steps"]:
-                lines.append(
-                    f"Loop workload, batch {batch}, {row['label']}: the engine's drafts average "
-                    f"{_fmt(row.get('mean_draft_length'), 2)} tokens; a drafter whose copy may run on into its own "
-                    f"draft would draft {ext['drafted'] / ext['verify_steps']:.2f}, accept "
-                    f"{_fmt(ext['mean_accepted_per_verify_step'], 2)} per verify step and emit "
-                    f"{_fmt(ext['tokens_per_decode_step'], 2)} tokens per decode step (replayed on the same outputs)."
-                )
     mismatched = [
         f"{workload}/{batch}/{name}"
         for workload, by_batch in spec["results"].items()
