@@ -33,7 +33,8 @@ from celery import Celery, Task
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import PRIORITY_STEPS, GenerationResult
+from producer.protocol import GenerationResult
+from producer.settings import celery_base_config
 from producer.signing import signed_headers
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class CallbackSettings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="GENQ_REDIS_URL")
     broker_url: str | None = Field(None, validation_alias="GENQ_BROKER_URL")
     result_backend: str | None = Field(None, validation_alias="GENQ_RESULT_BACKEND")
+    visibility_timeout_s: int = Field(3600, ge=1, validation_alias="GENQ_VISIBILITY_TIMEOUT_S")
     webhook_secret: SecretStr | None = Field(None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="signs every callback")
     queue: str = Field(DEFAULT_CALLBACK_QUEUE, description="queue of genq.deliver_callback")
@@ -76,18 +78,12 @@ def create_app(settings: CallbackSettings | None = None) -> Celery:
     app = Celery("genq-callbacks", broker=settings.broker_url or settings.redis_url,
                  backend=settings.result_backend or settings.redis_url)
     app.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
+        celery_base_config(settings.visibility_timeout_s),
         task_acks_late=True,
         worker_prefetch_multiplier=1,
         worker_send_task_events=True,  # deliveries and their retries show in Flower
         task_default_queue=settings.queue,
         task_routes={DELIVER_CALLBACK_TASK: {"queue": settings.queue}},
-        # A callback is published with its generation's priority: read the lists the producers write.
-        broker_transport_options={"priority_steps": PRIORITY_STEPS, "queue_order_strategy": "priority"},
-        broker_connection_retry_on_startup=True,
         worker_pool="threads",
         worker_concurrency=settings.concurrency,
         worker_hijack_root_logger=False,

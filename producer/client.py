@@ -42,7 +42,6 @@ from redis.retry import Retry
 
 from producer.control import request_cancel, request_cancel_async
 from producer.protocol import (
-    PRIORITY_STEPS,
     STREAM_FIELD,
     TASK_NAME,
     GenerationRequest,
@@ -53,7 +52,7 @@ from producer.protocol import (
     control_channel,
     stream_key,
 )
-from producer.settings import ClientSettings
+from producer.settings import ClientSettings, celery_base_config
 
 __all__ = [
     "AsyncGenerationHandle",
@@ -123,18 +122,9 @@ def make_celery(settings: ClientSettings) -> Celery:
     transport options match worker/app.py so priorities land where the workers look."""
     app = Celery("genq-client", broker=settings.broker, backend=settings.backend, set_as_current=False)
     app.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
+        celery_base_config(settings.visibility_timeout_s),
         task_send_sent_event=True,
         task_default_queue=settings.queue,
-        broker_transport_options={
-            "visibility_timeout": settings.visibility_timeout_s,
-            "priority_steps": PRIORITY_STEPS,
-            "queue_order_strategy": "priority",
-        },
-        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout_s},
     )
     return app
 

@@ -8,10 +8,12 @@ worker.settings: producers run without the worker's dependencies.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import DEFAULT_KEY_PREFIX, DEFAULT_QUEUE
+from producer.protocol import DEFAULT_KEY_PREFIX, DEFAULT_QUEUE, PRIORITY_STEPS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -33,3 +35,23 @@ class ClientSettings(BaseSettings):
     @property
     def backend(self) -> str:
         return self.result_backend or self.redis_url
+
+
+def celery_base_config(visibility_timeout_s: int) -> dict[str, Any]:
+    """What every genq Celery app (client, GPU worker, callback worker) shares:
+    JSON only, and the same Redis transport options — one visibility timeout,
+    ten priority levels served lowest number first — so a task lands where its
+    consumers look and is redelivered on the same schedule everywhere."""
+    return {
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "broker_transport_options": {
+            "visibility_timeout": visibility_timeout_s,
+            "priority_steps": PRIORITY_STEPS,
+            "queue_order_strategy": "priority",
+        },
+        "result_backend_transport_options": {"visibility_timeout": visibility_timeout_s},
+        "broker_connection_retry_on_startup": True,
+    }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from producer.protocol import PRIORITY_STEPS
+from producer.settings import celery_base_config
 from worker import bootsteps
 from worker.settings import Settings
 
@@ -15,21 +15,14 @@ from worker.settings import Settings
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings()
     app = Celery("genq", broker=settings.broker, backend=settings.backend, include=["worker.tasks"])
-    transport_options = {
-        # A task unacked for this long is handed to another worker: it must
-        # exceed the longest generation (acks_late keeps tasks unacked while they run).
-        "visibility_timeout": settings.visibility_timeout_s,
-        # Sweep for abandoned (killed-worker) tasks often enough to honour a short timeout.
-        "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 2)),
-        "unacked_restore_throttle": 1,
-        "priority_steps": PRIORITY_STEPS,
-        "queue_order_strategy": "priority",
-    }
+    config = celery_base_config(settings.visibility_timeout_s)
+    # Sweep for abandoned (killed-worker) tasks often enough to honour a short visibility timeout;
+    # it must exceed the longest generation, since acks_late keeps a running task unacknowledged.
+    config["broker_transport_options"].update(
+        unacked_restore_interval=max(1, min(10, settings.visibility_timeout_s // 2)), unacked_restore_throttle=1
+    )
     app.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
+        config,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -37,9 +30,6 @@ def create_app(settings: Settings | None = None) -> Celery:
         task_send_sent_event=True,
         task_track_started=True,
         result_expires=settings.result_expires_s,
-        broker_transport_options=transport_options,
-        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout_s},
-        broker_connection_retry_on_startup=True,
         task_default_queue=settings.queue,
         task_routes={"genq.generate": {"queue": settings.queue}},
         worker_pool="threads",
