@@ -191,9 +191,11 @@ def test_cancel_before_start_and_mid_stream_frees_every_page(
 def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
     start_worker: Callable[..., WorkerProcess], client: Celery, redis_client: redis.Redis
 ):
+    # The visibility timeout must outlast a whole generation on the next worker (or the
+    # still-running tasks are redelivered again), yet keep the test short.
     queue = "genq-kill"
-    first = start_worker(queue, visibility_timeout=6)
-    handles = [send(client, queue, prompt=f"story {i}", max_new_tokens=600, ignore_eos=True, identifier=f"kill-{i}")
+    first = start_worker(queue, visibility_timeout=20)
+    handles = [send(client, queue, prompt=f"story {i}", max_new_tokens=300, ignore_eos=True, identifier=f"kill-{i}")
                for i in range(20)]
 
     def all_generating() -> bool:
@@ -202,10 +204,10 @@ def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
 
     wait_until(all_generating, 120, "20 jobs generating on the first worker")
     first.kill()
-    start_worker(queue, visibility_timeout=6)
+    start_worker(queue, visibility_timeout=20)
     for i, handle in enumerate(handles):
         result = handle.get(timeout=300)
-        assert result["attempt"] == 2 and result["usage"]["completion_tokens"] == 600
+        assert result["attempt"] == 2 and result["usage"]["completion_tokens"] == 300
         events = replay(redis_client, f"kill-{i}")
         assert {e.attempt for e in events} == {1, 2}
         second = [e for e in events if e.attempt == 2]
@@ -331,3 +333,20 @@ def test_a_pickled_task_message_is_refused_unrun(
     assert redis_client.llen(QUEUE) == 0
     assert refused.state == "PENDING"
     assert not redis_client.exists(stream_key("pickled"))
+
+
+def test_a_second_task_reusing_a_running_identifier_fails_clearly(worker: WorkerProcess, client: Celery,
+                                                                   redis_client: redis.Redis):
+    watcher = redis_client.pubsub(ignore_subscribe_messages=True)
+    watcher.subscribe(channel_name("twice"))
+    first = send(client, prompt="first", max_new_tokens=400, ignore_eos=True, identifier="twice")
+    while next_event(watcher).event != "chunk":
+        pass
+    second = send(client, prompt="second", max_new_tokens=4, identifier="twice")
+    second.get(timeout=60, propagate=False)
+    assert second.state == "FAILURE" and "already generating" in str(second.result)
+    result = first.get(timeout=120)
+    assert result["usage"]["completion_tokens"] == 400
+    events = [e for e in replay(redis_client, "twice") if e.attempt == result["attempt"]]
+    assert all(e.event != "error" for e in events)
+    check_stream(events, result["text"])

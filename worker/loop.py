@@ -40,18 +40,20 @@ class ShuttingDown(RuntimeError):
 @dataclass
 class Submission:
     """A validated request on its way through the engine. The task thread
-    waits on `done`; then exactly one of result / error / requeue is set."""
+    waits on `done`; then exactly one of result / error / requeue / duplicate is set."""
 
     identifier: str
     attempt: int
     job: Job
     request: GenerationRequest
     deadline: float | None
+    task_id: str = ""
     cancel_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: str | None = None
     requeue: bool = False
+    duplicate: bool = False
     seq: int = 0
     expired: bool = False
 
@@ -110,6 +112,11 @@ class EngineLoop:
 
     def active_identifiers(self) -> list[str]:
         return list(self._active)
+
+    def is_running(self, identifier: str, task_id: str) -> bool:
+        """Whether this very task (not just its identifier) is generating here."""
+        running = self._active.get(identifier)
+        return running is not None and running.task_id == task_id
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop accepting jobs; in-flight ones get grace_s to finish, then are
@@ -227,8 +234,17 @@ class EngineLoop:
                 del self._early_cancels[identifier]
 
     def _admit(self, submission: Submission, events: list[StreamEvent], finished: list[Submission]) -> None:
-        if submission.identifier in self._active:
-            self._reject(submission, f"identifier: {submission.identifier!r} is already generating", events, finished)
+        running = self._active.get(submission.identifier)
+        if running is not None and running.task_id == submission.task_id:
+            # A redelivery of a task still generating here (its visibility timeout ran out):
+            # the running attempt will answer it.
+            submission.duplicate = True
+            finished.append(submission)
+        elif running is not None:
+            # Fail the newcomer without touching the stream: it belongs to the running request.
+            self.counters.failed += 1
+            submission.error = f"identifier: {submission.identifier!r} is already generating"
+            finished.append(submission)
         elif submission.cancel_requested or self._early_cancels.pop(submission.identifier, None) is not None:
             self.counters.cancelled += 1
             events.append(submission.event("cancelled", finish_reason="cancelled"))

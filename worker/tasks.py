@@ -4,12 +4,13 @@ generator itself."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Any
 
 from celery import Task, shared_task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 
 from producer.protocol import IDENTIFIER_PATTERN, TASK_NAME, GenerationRequest, ProtocolError, StreamEvent
 from worker import runtime as runtime_module
@@ -17,6 +18,7 @@ from worker.jobs import build_job
 from worker.loop import ShuttingDown, Submission
 
 IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
+log = logging.getLogger(__name__)
 ENGINE_READY_TIMEOUT_S = 600.0
 
 
@@ -30,6 +32,10 @@ def generate(self: Task, **kwargs: Any) -> dict[str, Any]:
     # An unusable identifier is reported on the task id's stream (the request still fails).
     requested = kwargs.get("identifier")
     identifier = requested if isinstance(requested, str) and IDENTIFIER_RE.fullmatch(requested) else self.request.id
+    if runtime.loop.is_running(identifier, self.request.id):
+        raise _duplicate(identifier)
+    if identifier in runtime.loop.active_identifiers():
+        raise GenerationFailed(f"identifier: {identifier!r} is already generating")
     attempt, cancel_requested = runtime.publisher.begin_attempt(identifier)
     try:
         request = GenerationRequest.parse_payload(kwargs)
@@ -41,7 +47,7 @@ def generate(self: Task, **kwargs: Any) -> dict[str, Any]:
     deadline = request.deadline
     if request.timeout_s is not None:
         deadline = time.time() + request.timeout_s
-    submission = Submission(identifier, attempt, job, request, deadline, cancel_requested)
+    submission = Submission(identifier, attempt, job, request, deadline, self.request.id, cancel_requested)
     try:
         runtime.loop.submit(submission)
     except ShuttingDown:
@@ -49,11 +55,21 @@ def generate(self: Task, **kwargs: Any) -> dict[str, Any]:
     submission.done.wait()
     if submission.requeue:
         raise Reject("worker shut down before the job finished", requeue=True)
+    if submission.duplicate:
+        raise _duplicate(identifier)
     if submission.error is not None:
         raise GenerationFailed(submission.error)
     if submission.result is None:
         raise GenerationFailed("the engine loop finished the job without a result")
     return submission.result.to_dict()
+
+
+def _duplicate(identifier: str) -> Ignore:
+    """A redelivered message for a request this worker is still generating
+    (it outlived the visibility timeout): acknowledge it and store nothing,
+    so the running attempt's result stands."""
+    log.warning("request %r redelivered while still generating here; ignoring the duplicate", identifier)
+    return Ignore()
 
 
 def _publish_error(runtime: runtime_module.Runtime, identifier: str, attempt: int, message: str) -> None:
