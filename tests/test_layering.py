@@ -4,6 +4,7 @@ producer never imports engine, kernels, worker or torch."""
 from __future__ import annotations
 
 import ast
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,25 @@ def test_transformers_does_not_mistake_our_kernels_package_for_its_own():
         "assert kernels.__file__.startswith(%r); assert not u.is_kernels_available()" % str(ROOT)
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+TORCH_PACKAGES = ("torch", "functorch", "torchgen", "triton", "nvidia")
+
+
+def test_producer_runs_where_torch_is_not_installed(tmp_path: Path):
+    """A real torch-free environment: a site directory holding every installed
+    package except torch and its kin, used by an isolated interpreter (-I -S)."""
+    site_packages = Path(site.getsitepackages()[0])
+    lean = tmp_path / "site-packages"
+    lean.mkdir()
+    for entry in site_packages.iterdir():
+        if not entry.name.lower().startswith(TORCH_PACKAGES):
+            (lean / entry.name).symlink_to(entry)
+    code = (
+        "import sys; sys.path[:0] = [%r, %r]\n"
+        "import importlib.util; assert importlib.util.find_spec('torch') is None, 'torch is visible'\n"
+        "import producer.client, producer.cli, producer.gateway, producer.callbacks\n"
+        "import worker.cli; worker.cli.build_parser().parse_args(['submit', 'hello', '--stream'])\n"
+        "assert 'torch' not in sys.modules\n"
+    ) % (str(lean), str(ROOT))
+    subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=tmp_path, check=True)
