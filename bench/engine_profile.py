@@ -162,8 +162,10 @@ def _profile_step(gen: Generator) -> dict[str, Any]:
 
 def profile_engine(gen: Generator, requests: Sequence[Request]) -> dict[str, Any]:
     """Run the workload again on an idle generator, profile its first (prefill)
-    step and its first all-decode step, then cancel the rest."""
-    jobs = [Job(r.prompt, r.max_new_tokens, stop_conditions=[]) for r in requests]
+    step and its first all-decode step, then cancel the rest. Each prompt is
+    rotated by one token, so the prefix cache (which holds the first run's
+    prompts) serves none of it and the prefill is really computed."""
+    jobs = [Job(r.prompt[1:] + r.prompt[:1], r.max_new_tokens, stop_conditions=[]) for r in requests]
     for job in jobs:
         gen.enqueue(job)
     prompt_total = sum(len(r.prompt) for r in requests)
