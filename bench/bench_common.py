@@ -12,7 +12,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -132,3 +132,22 @@ def ensure_model(preset: str, family: str = "llama", seed: int = 0, cache_dir: P
         return out
     progress(f"making {family}/{preset} model in {out}")
     return make_tiny_model(out, family, preset, seed=seed)
+
+
+def write_results(
+    results: dict[str, Any],
+    out: Path,
+    name: str,
+    quick: bool,
+    plot: Callable[[dict[str, Any], Path], None],
+    table: Callable[[dict[str, Any]], str],
+) -> None:
+    """Write <name>[_quick].json and .png under `out` and print the markdown table
+    (--quick runs get their own files, so they never overwrite a full run)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}_quick" if quick else name
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, png_path)
+    progress(f"wrote {json_path} and {png_path}")
+    print(table(results))

@@ -54,6 +54,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from bench_common import (
+    write_results,
     RESULTS_DIR,
     available_cores,
     ensure_model,
@@ -396,13 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["matmul_peak"] = {"best_gflops": peak, "at_start": peak_start, "at_end": peak_end}
     add_mfu(results, peak)
     results["machine"]["load_average_at_end"] = load_average()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "engine_throughput_quick" if args.quick else "engine_throughput"
-    json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, png_path)
-    progress(f"wrote {json_path} and {png_path}")
-    print(markdown_table(results))
+    write_results(results, args.out, "engine_throughput", args.quick, plot, markdown_table)
     return 0
 
 

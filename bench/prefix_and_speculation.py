@@ -78,6 +78,7 @@ from typing import Any
 import torch
 
 from bench_common import (
+    write_results,
     RESULTS_DIR,
     available_cores,
     ensure_model,
@@ -634,13 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["speculation"] = bench_speculation(path, spec_spec, args)
     results["machine"]["load_average_at_end"] = load_average()
     results["machine"]["bench_wall_s"] = round(time.perf_counter() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "prefix_and_speculation_quick" if args.quick else "prefix_and_speculation"
-    json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, png_path)
-    progress(f"wrote {json_path} and {png_path}")
-    print(markdown_table(results))
+    write_results(results, args.out, "prefix_and_speculation", args.quick, plot, markdown_table)
     return 0
 
 

@@ -66,6 +66,7 @@ import torch
 from celery import Celery
 
 from bench_common import (
+    write_results,
     RESULTS_DIR,
     available_cores,
     ensure_model,
@@ -356,13 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress(f"redis-server on port {server.port}")
         results["models"] = {preset: bench_model(preset, spec, args, server.url, Path(tmp)) for preset in args.models}
     results["machine"]["load_average_at_end"] = load_average()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "service_overhead_quick" if args.quick else "service_overhead"
-    json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, png_path)
-    progress(f"wrote {json_path} and {png_path}")
-    print(markdown_table(results))
+    write_results(results, args.out, "service_overhead", args.quick, plot, markdown_table)
     return 0
 
 
