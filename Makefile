@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.genq-installed
 
-.PHONY: run test bench install clean
+.PHONY: run test chaos bench install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,13 @@ run: $(STAMP)
 	$(VENV)/bin/genq dev
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# The full chaos run (1,000 tasks, worker SIGKILLs, Redis kill -9 and restart, poison
+# messages); prints its figures. `make test` runs a smaller one.
+chaos: $(STAMP)
+	$(PY) -m pytest tests/test_chaos.py -m chaos -s
 
 bench: $(STAMP)
 	$(PY) bench/engine_throughput.py

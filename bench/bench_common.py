@@ -13,7 +13,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "load_average_at_start": load_average(),
     }
 

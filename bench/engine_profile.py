@@ -5,15 +5,16 @@ enqueueing it (a pure prefill chunk of max_chunk_size prompt tokens) and the
 first step after every prompt is computed (one decode row per running job).
 
 Attribution: for the profiled step only, the kernel entry points the model calls
-(kernels.paged_attention, write_kv, rms_norm, apply_rope, silu_and_mul,
-kernels.reference._attend, engine.model.rope_cos_sin, engine.generator.sample)
+(kernels.paged_attention, write_kv, rms_norm, apply_rope, silu_and_mul, gelu_tanh_and_mul,
+kernels.reference._attend, engine.rope.rope_cos_sin, engine.generator.sample,
+BatchSampler.sample)
 are wrapped in record_function labels; each op's self CPU time goes to the
 category of its nearest labelled ancestor, else by the op's name:
   matmul         aten::mm/addmm/bmm outside the labels (projections, MLP, lm_head)
   attention      sdpa and the q/out row gather/scatter of paged_attention
   kv_gather      aten::index & co. inside _attend (reading pages into a dense K/V)
   kv_write       write_kv
-  norm_rope_act  rms_norm, apply_rope, silu_and_mul, rope_cos_sin
+  norm_rope_act  rms_norm, apply_rope, silu_and_mul, gelu_tanh_and_mul, rope_cos_sin
   sampling       sample
   other_ops      everything else (embedding, logits row select, batch tensors)
   python_overhead  step wall time minus the summed self time of all ops: the
@@ -33,15 +34,16 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from throughput_runners import Request
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import engine.batch_sampler
 import engine.generator
-import engine.model
+import engine.rope
 import kernels
 import kernels.reference
 from engine import Generator, Job
-from throughput_runners import Request
 
 METHOD = (
     "torch.profiler (CPU) over one iterate(): the first step after enqueueing the workload (prefill) and the "
@@ -64,8 +66,10 @@ _WRAPPED: tuple[tuple[ModuleType, str, str], ...] = (
     (kernels, "rms_norm", "norm_rope_act"),
     (kernels, "apply_rope", "norm_rope_act"),
     (kernels, "silu_and_mul", "norm_rope_act"),
-    (engine.model, "rope_cos_sin", "norm_rope_act"),
+    (kernels, "gelu_tanh_and_mul", "norm_rope_act"),
+    (engine.rope, "rope_cos_sin", "norm_rope_act"),
     (engine.generator, "sample", "sampling"),
+    (engine.batch_sampler.BatchSampler, "sample", "sampling"),
 )
 _MATMUL_OPS = frozenset(
     {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv", "aten::matmul", "aten::linear"}

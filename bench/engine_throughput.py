@@ -1,6 +1,9 @@
 """Engine throughput and latency against transformers, on the same weights and workload.
 
-One run measures, per model (random-weight llama "tiny" and "small" presets):
+One run measures, per model (random-weight llama "tiny" and "small" presets, or a
+real checkpoint given with --model: an HF directory or a .gguf file, such as the
+SmolLM2-135M-Instruct Q4_1 file engine/real_model.py fetches; a GGUF is
+dequantized to fp32 at load by the engine and by transformers alike):
   engine     genq's Generator: all requests enqueued at once, then iterate() until done;
   hf-padded  transformers generate() on left-padded static batches (several batch
              sizes, in request order and sorted by prompt length; the best is the headline);
@@ -42,8 +45,10 @@ and prints a markdown table; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -51,10 +56,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
-
 from bench_common import (
-    write_results,
     RESULTS_DIR,
     available_cores,
     ensure_model,
@@ -64,9 +66,8 @@ from bench_common import (
     percentiles_ms,
     progress,
     warn_if_busy,
+    write_results,
 )
-from engine import Generator, Tokenizer
-from engine.tiny_model import PRESETS, count_parameters
 from engine_profile import profile_engine
 from throughput_report import markdown_table, plot
 from throughput_runners import (
@@ -81,6 +82,11 @@ from throughput_runners import (
     run_hf_cb,
     run_hf_padded,
 )
+from transformers import AutoModelForCausalLM
+
+from engine import Generator, Tokenizer
+from engine.gguf_file import GGUFFile, is_gguf
+from engine.tiny_model import PRESETS, count_parameters
 
 SYSTEMS = ("engine", "hf-padded", "hf-cb")
 MODELS = ("tiny", "small")
@@ -122,6 +128,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated llama presets out of {','.join(PRESETS)} "
              f"(default {','.join(MODELS)}; tiny with --quick)",
     )
+    parser.add_argument(
+        "--model", action="append", default=[], type=Path, metavar="PATH",
+        help="a real model to run (HF directory or .gguf file; repeatable); without --models only these run, "
+             "and the results go to engine_throughput_<name>.{json,png}",
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     parser.add_argument(
@@ -138,8 +149,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--batch-sizes", default=None, help="padded generate batch sizes (default 16,64; 4,8 with --quick)"
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler breakdown of engine steps")
+    parser.add_argument(
+        "--requests", type=int, default=None,
+        help="number of requests of the full workload's shape (default 64); the results get a _<N>req suffix",
+    )
     args = parser.parse_args(argv)
-    args.models = _split(parser, "--models", args.models or ("tiny" if args.quick else ",".join(MODELS)), PRESETS)
+    if args.requests is not None and (args.requests < 1 or args.quick):
+        parser.error("--requests: a positive number, and not with --quick")
+    for path in args.model:
+        if not path.exists():
+            parser.error(f"--model: {path} does not exist")
+    if args.models is None and args.model:
+        args.models = []
+    else:
+        args.models = _split(parser, "--models", args.models or ("tiny" if args.quick else ",".join(MODELS)), PRESETS)
     args.systems = _split(parser, "--systems", args.systems, SYSTEMS)
     sizes = args.batch_sizes or ("4,8" if args.quick else "16,64")
     if not all(part.strip().isdigit() and int(part) > 0 for part in sizes.split(",")):
@@ -270,7 +293,9 @@ def bench_transformers(
     args: argparse.Namespace, score: Callable[[Trace], dict[str, Any]],
 ) -> tuple[dict[str, Trace], dict[str, Any]]:
     """Padded runs and the CB run on one transformers model; a CB failure is recorded, not raised."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    source = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name} if is_gguf(path) else {
+        "pretrained_model_name_or_path": path}
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32, attn_implementation="sdpa").eval()
     traces: dict[str, Trace] = {}
     systems: dict[str, Any] = {}
     if "hf-padded" in args.systems:
@@ -299,11 +324,20 @@ def bench_transformers(
 # -- per model ----------------------------------------------------------------
 
 
-def bench_model(preset: str, spec: WorkloadSpec, args: argparse.Namespace) -> dict[str, Any]:
+def model_name(path: Path) -> str:
+    """A real model's name in results: the .gguf file's stem or the directory's name."""
+    return path.stem if is_gguf(path) else path.name
+
+
+def hf_config(path: Path) -> dict[str, Any]:
+    """config.json, or the one a GGUF file's metadata translates to."""
+    return GGUFFile(path).config_dict() if is_gguf(path) else json.loads((path / "config.json").read_text())
+
+
+def bench_model(preset: str, path: Path, spec: WorkloadSpec, args: argparse.Namespace) -> dict[str, Any]:
     """Every selected system on one model, the same requests for all, then token agreement."""
-    path = ensure_model(preset)
-    config = json.loads((path / "config.json").read_text())
-    tokenizer = Tokenizer.from_dir(path)
+    config = hf_config(path)
+    tokenizer = Tokenizer.from_pretrained(path)
     pad_id = tokenizer.token_to_id(tokenizer.pad_token) if tokenizer.pad_token else 0
     requests = make_workload(spec, config["vocab_size"], tokenizer.special_token_ids)
     warmup = make_workload(WARMUP_WORKLOAD, config["vocab_size"], tokenizer.special_token_ids)
@@ -363,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
     quiet_cb_logger()
     spec = QUICK_WORKLOAD if args.quick else FULL_WORKLOAD
+    if args.requests is not None:
+        spec = dataclasses.replace(FULL_WORKLOAD, num_requests=args.requests)
     peak_sizes, peak_repeats = ((1024,), 3) if args.quick else ((1024, 2048), 5)
     results: dict[str, Any] = {
         "benchmark": "engine_throughput",
@@ -373,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prompt_len_range": list(spec.prompt_len),
             "max_new_tokens_range": list(spec.new_tokens),
             "seed": spec.seed,
-            "models": args.models,
+            "models": [*args.models, *(str(path) for path in args.model)],
             "systems": args.systems,
             "threads": args.threads,
             "page_size": args.page_size,
@@ -390,14 +426,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"measuring the fp32 matmul rate with {args.threads} threads")
     peak_start = matmul_gflops(peak_sizes, peak_repeats)
     progress(f"matmul: {peak_start['best_gflops']:.1f} GFLOP/s")
-    results["models"] = {preset: bench_model(preset, spec, args) for preset in args.models}
+    results["models"] = {preset: bench_model(preset, ensure_model(preset), spec, args) for preset in args.models}
+    results["models"].update({model_name(path): bench_model(model_name(path), path, spec, args) for path in args.model})
     peak_end = matmul_gflops(peak_sizes, peak_repeats)
     peak = max(peak_start["best_gflops"], peak_end["best_gflops"])
     progress(f"matmul at the end: {peak_end['best_gflops']:.1f} GFLOP/s; MFU uses {peak:.1f}")
     results["matmul_peak"] = {"best_gflops": peak, "at_start": peak_start, "at_end": peak_end}
     add_mfu(results, peak)
     results["machine"]["load_average_at_end"] = load_average()
-    write_results(results, args.out, "engine_throughput", args.quick, plot, markdown_table)
+    name = "engine_throughput"
+    if args.model and not args.models:
+        slugs = (re.sub(r"[^A-Za-z0-9]+", "-", model_name(path)).strip("-").lower() for path in args.model)
+        name += "_" + "_".join(slugs)
+    if args.requests is not None:
+        name += f"_{args.requests}req"
+    write_results(results, args.out, name, args.quick, plot, markdown_table)
     return 0
 
 

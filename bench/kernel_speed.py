@@ -21,8 +21,10 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -122,8 +124,8 @@ def run(smoke: bool) -> list[dict[str, Any]]:
         kv_bytes = 2 * sum(ctx_lens) * s["hkv"] * s["d"] * el
         nbytes = kv_bytes + 2 * q.numel() * el
         timings: dict[str, Callable[[], Any]] = {
-            "triton": lambda: tk.paged_attention(q, kc, vc, pt, cu, ctx, scale),
-            "torch": lambda: ref.paged_attention(q, kc, vc, pt, cu, ctx, scale),
+            "triton": partial(tk.paged_attention, q, kc, vc, pt, cu, ctx, scale),
+            "torch": partial(ref.paged_attention, q, kc, vc, pt, cu, ctx, scale),
         }
         if label == "decode":
             # SDPA's best case: the cache already gathered into one contiguous [B, Hkv, L, D] tensor
@@ -135,8 +137,8 @@ def run(smoke: bool) -> list[dict[str, Any]]:
             vals = vc.index_select(1, idx).view(s["hkv"], batch, pages_per * s["page"], s["d"])
             vals = vals[:, :, :length].transpose(0, 1).contiguous()
             qd = q.view(batch, 1, s["hq"], s["d"]).transpose(1, 2)
-            timings["sdpa_gathered"] = lambda: F.scaled_dot_product_attention(
-                qd, keys, vals, scale=scale, enable_gqa=True)
+            timings["sdpa_gathered"] = partial(F.scaled_dot_product_attention, qd, keys, vals, scale=scale,
+                                               enable_gqa=True)
         record(f"paged_attention {label}", f"q_lens={sorted(set(q_lens))}x{len(q_lens)} ctx={sorted(set(ctx_lens))}",
                nbytes, timings)
     return rows

@@ -49,7 +49,8 @@
 
 Timing: fp32 on CPU, --threads torch threads (default 1: the results are
 ratios, and on a shared machine a team of 2 OpenMP threads stalls whenever a
-neighbour takes a core, which made 2-thread runs vary 3x from step to step). Every run uses a fresh Generator over the same loaded model and KV
+neighbour takes a core, which made 2-thread runs vary 3x from step to step).
+Every run uses a fresh Generator over the same loaded model and KV
 cache (so no prefix-cache state leaks between runs), after a warm-up of every
 code path. Each configuration runs --repeats times (2 full, 1 quick), the
 configurations interleaved so a busy neighbour hits all alike; the fastest
@@ -76,9 +77,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from bench_common import (
-    write_results,
     RESULTS_DIR,
     available_cores,
     ensure_model,
@@ -87,12 +86,14 @@ from bench_common import (
     percentiles_ms,
     progress,
     warn_if_busy,
+    write_results,
 )
-from engine import Generator, Job
-from engine.speculative import NGRAM_SEARCH_WINDOW, ngram_draft
-from engine.tiny_model import PRESETS, count_parameters
 from engine_throughput import compare_tokens
 from prefix_spec_report import markdown_table, plot
+
+from engine import Generator, Job
+from engine.speculative import ngram_draft
+from engine.tiny_model import PRESETS, count_parameters
 
 PARTS = ("prefix", "speculation")
 DEDUP_TARGET_RATIO = 1 / 8

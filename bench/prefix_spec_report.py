@@ -178,7 +178,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         (_plot_prefix if panel == "prefix" else _plot_speculation)(ax, results[panel])
     machine, settings = results["machine"], results["settings"]
     fig.suptitle(
-        f"{settings['model']} llama, greedy, fp32 - {machine['cpu_model']}, torch threads: {machine['torch_threads']} - "
+        f"{settings['model']} llama, greedy, fp32 - {machine['cpu_model']}, "
+        f"torch threads: {machine['torch_threads']} - "
         f"{machine['date']}",
         fontsize=10,
     )

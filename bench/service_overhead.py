@@ -63,10 +63,7 @@ import celery
 import kombu
 import redis
 import torch
-from celery import Celery
-
 from bench_common import (
-    write_results,
     RESULTS_DIR,
     available_cores,
     ensure_model,
@@ -74,22 +71,24 @@ from bench_common import (
     machine_info,
     percentiles_ms,
     progress,
+    write_results,
 )
-from engine import Generator, Tokenizer
-from engine.tiny_model import PRESETS, count_parameters
+from celery import Celery
 from engine_throughput import FULL_WORKLOAD, QUICK_WORKLOAD, WARMUP_WORKLOAD
 from service_report import markdown_table, plot
 from service_runners import (
     WORKER_CONCURRENCY,
     EngineSettings,
-    RedisServer,
-    WorkerProcess,
     engine_singles,
     install_sigterm_as_interrupt,
     run_service,
     service_singles,
 )
 from throughput_runners import Request, Trace, WorkloadSpec, make_workload, pages_needed, run_engine
+
+from engine import Generator, Tokenizer
+from engine.tiny_model import PRESETS, count_parameters
+from worker.processes import RedisServer, WorkerProcess
 
 SINGLE_NEW_TOKENS = 8
 SINGLE_SEED = 2
@@ -226,7 +225,10 @@ def bench_service(
     client = Celery("bench-client", broker=redis_url, backend=redis_url)
     redis_client = redis.Redis.from_url(redis_url)
     try:
-        with WorkerProcess(path, redis_url, queue, engine, args.threads, workdir / f"{queue}.log") as worker:
+        # torch sizes its thread pool from OMP_NUM_THREADS: the same thread count as the in-process engine.
+        options = {"concurrency": WORKER_CONCURRENCY, "shutdown_grace": 0, **engine.generator_options()}
+        with WorkerProcess(path, redis_url, queue, f"bench-{queue}", workdir / f"{queue}.log", options,
+                           env={"OMP_NUM_THREADS": str(args.threads)}) as worker:
             try:
                 progress(f"{queue}: waiting for the worker to load its engine")
                 worker.wait_ready(client, timeout=300)
@@ -352,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timing_method": TIMING_METHOD,
     }
     results["machine"].update(celery=celery.__version__, kombu=kombu.__version__, redis_py=redis.__version__)
-    with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp)) as server:
+    with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp), persistence="none") as server:
         results["machine"]["redis_server"] = server.version
         progress(f"redis-server on port {server.port}")
         results["models"] = {preset: bench_model(preset, spec, args, server.url, Path(tmp)) for preset in args.models}

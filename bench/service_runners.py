@@ -10,31 +10,22 @@ scored by the same code.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.result import AsyncResult
-
-from bench_common import progress
-from engine import Generator, Job
-from producer.protocol import DEFAULT_KEY_PREFIX, TASK_NAME, channel_name
 from throughput_runners import Request, Trace
 
-ROOT = Path(__file__).resolve().parent.parent
+from engine import Generator, Job
+from producer.protocol import DEFAULT_KEY_PREFIX, TASK_NAME, channel_name
+
 TERMINAL_EVENTS = frozenset({"done", "error", "cancelled"})
-STOP_TIMEOUT_S = 30.0
 WORKER_CONCURRENCY = 64
 
 
@@ -56,140 +47,6 @@ class EngineSettings:
             "max_chunk_size": self.max_chunk_size,
         }
 
-    def worker_args(self) -> list[str]:
-        return [arg for name, value in self.generator_options().items()
-                for arg in (f"--{name.replace('_', '-')}", str(value))]
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll a condition that has no event to wait on (a process coming up)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _stop_process(process: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within the timeout."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        progress(f"pid {process.pid} ignored SIGTERM for {timeout:.0f} s: killing it")
-        process.kill()
-        process.wait()
-
-
-# -- the processes ------------------------------------------------------------
-
-
-class RedisServer:
-    """A private redis-server on a free port, without persistence. Children run
-    in their own session, so a Ctrl-C reaches only the benchmark, which then
-    stops them in order (worker first) from its finally blocks."""
-
-    def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("error: redis-server is not installed (apt-get install redis-server); "
-                             "the service benchmark starts its own private one")
-        banner = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
-        self.version = banner.split("v=", 1)[-1].split()[0]  # "Redis server v=7.0.15 sha=..." -> "7.0.15"
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def __enter__(self) -> RedisServer:
-        client = redis.Redis(port=self.port)
-
-        def ping() -> bool:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode} (port {self.port})")
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                return False
-
-        try:
-            wait_until(ping, 20, "redis-server to answer PING")
-        except BaseException:
-            self.stop()
-            raise
-        finally:
-            client.close()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        _stop_process(self.process, 10)
-
-
-class WorkerProcess:
-    """`python -m worker.cli worker ...`: the service exactly as deployed, with
-    GENQ_* variables removed from its environment so that only the options
-    given here (and the defaults) apply."""
-
-    def __init__(self, model: Path, redis_url: str, queue: str, engine: EngineSettings, threads: int,
-                 log_path: Path) -> None:
-        self.node = f"bench-{queue}@genq-bench"
-        self.log_path = log_path
-        args = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "worker", "--model", str(model),
-                "--redis-url", redis_url, "--queue", queue, "--concurrency", str(WORKER_CONCURRENCY),
-                "--hostname", self.node, "--shutdown-grace", "0", *engine.worker_args()]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
-        # torch sizes its thread pool from OMP_NUM_THREADS: the same thread count as the in-process engine.
-        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-
-    def __enter__(self) -> WorkerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def wait_ready(self, client: Celery, timeout: float) -> dict[str, Any]:
-        """Until the engine answers `engine_stats`: the model is loaded and the loop runs."""
-
-        def engine_up() -> dict[str, Any] | None:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log_tail()}")
-            return self.engine_stats(client, timeout=0.5)
-
-        return wait_until(engine_up, timeout, f"worker {self.node} to load its engine")
-
-    def engine_stats(self, client: Celery, timeout: float = 5.0) -> dict[str, Any] | None:
-        """The worker's `engine_stats` control reply; None until its engine is up."""
-        replies = client.control.broadcast("engine_stats", destination=[self.node], reply=True, timeout=timeout)
-        reply = next((r[self.node] for r in replies if self.node in r), None)
-        return reply if isinstance(reply, dict) and "pages_free" in reply else None
-
-    def stop(self) -> None:
-        try:
-            _stop_process(self.process, STOP_TIMEOUT_S)
-        finally:
-            self._log.close()
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
 # -- the subscriber -------------------------------------------------------------

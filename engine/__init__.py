@@ -2,14 +2,22 @@
 job API after exllamav2's dynamic generator. No Redis, no Celery here."""
 
 from engine.embeddings import Embedding
-from engine.errors import JobRejected, ModelLoadError, QueueFull, UnsupportedArchitectureError
+from engine.errors import (
+    JobRejected,
+    ModelLoadError,
+    QueueFull,
+    UnsupportedArchitectureError,
+)
 from engine.generator import Generator, GeneratorStats
 from engine.job import Job
+from engine.outputs import EngineOutput, FinishReason, Stage
 from engine.sampling import SamplerSettings
 from engine.tokenizer import Tokenizer
 
 __all__ = [
     "Embedding",
+    "EngineOutput",
+    "FinishReason",
     "Generator",
     "GeneratorStats",
     "Job",
@@ -17,6 +25,7 @@ __all__ = [
     "ModelLoadError",
     "QueueFull",
     "SamplerSettings",
+    "Stage",
     "Tokenizer",
     "UnsupportedArchitectureError",
 ]

@@ -27,7 +27,8 @@ class Embedding:
 
     def __init__(self, vectors: torch.Tensor) -> None:
         if vectors.dim() != 2 or vectors.shape[0] == 0:
-            raise ValueError(f"embedding vectors must be a non-empty [n, hidden_size] tensor, got {tuple(vectors.shape)}")
+            raise ValueError(
+                f"embedding vectors must be a non-empty [n, hidden_size] tensor, got {tuple(vectors.shape)}")
         self.vectors = vectors
         with _id_lock:
             first = next(_next_id)

@@ -1,7 +1,8 @@
 """The continuous-batching generator: enqueue jobs, call iterate() to advance
 every active job by one scheduling step and one batched forward.
 
-Results are plain dicts (exllamav2's dynamic-generator shape):
+Results are EngineOutput objects (engine/outputs.py) that also read as
+exllamav2's dynamic-generator dicts (result["text"], result.as_dict()):
 - stage "started": the job was scheduled for the first time;
 - stage "streaming": tokens produced this step; "text" is the newly released
   text (possibly "" while a stop string or a split character is held back);
@@ -16,30 +17,36 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence as Seq
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.batch import ForwardBatch
+from engine.batch_sampler import BatchSampler
 from engine.cache import KVCache, PagePool
+from engine.config import ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import JobRejected, QueueFull
 from engine.job import Job
+from engine.kv_manager import KVManager
 from engine.model import CausalLM
+from engine.model_runner import BatchRow, ModelRunner
+from engine.outputs import EngineOutput, FinishReason, Stage
 from engine.sampling import SamplerSettings, SamplingRow, sample, sampling_probs
-from engine.speculative import NgramDrafter, draw, verify
-from engine.scheduler import ScheduledSequence, Scheduler
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import NgramDrafter, draw, verify
 from engine.stops import StopStringMatcher
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 
 log = logging.getLogger(__name__)
 
-Result = dict[str, Any]
+Result = EngineOutput
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_CHUNK_SIZE = 2048
@@ -47,6 +54,16 @@ DEFAULT_MAX_BATCH_SIZE = 256
 DEFAULT_MAX_PENDING = 1024
 DEFAULT_CPU_CACHE_BYTES = 1 << 30
 CUDA_CACHE_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A launched step: its forward/sampling work and which rows sample how."""
+
+    work: Future[tuple[torch.Tensor, list[int]]]
+    plain: list[tuple[Sequence, int]]
+    speculated: list[tuple[Sequence, int, list[int]]]
+    draft_probs: dict[int, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -92,8 +109,12 @@ class Generator:
         max_ngram: int = 4,
         max_speculative_batch: int = 8,
         seed: int | None = None,
+        overlap: bool = False,
     ) -> None:
-        """Speculative decoding: pass draft_model + draft_cache (a smaller model
+        """overlap: run each step's forward and sampling on a worker thread while
+        this thread produces the previous step's text and results (see iterate).
+
+        Speculative decoding: pass draft_model + draft_cache (a smaller model
         of the same tokenizer; its cache has the same pages and page size, so
         the two share page tables) or use_ngram_draft=True. Either drafts up to
         num_draft_tokens per decoding job while at most max_speculative_batch
@@ -104,9 +125,8 @@ class Generator:
         self.tokenizer = tokenizer
         self.device = cache.k.device
         self.page_size = cache.page_size
-        self.pool = PagePool(cache.num_pages)
         capacity = cache.num_pages * cache.page_size
-        self.max_seq_len = min(max_seq_len or model.config.max_position_embeddings, capacity)
+        self.max_seq_len = min(max_seq_len or model.config.max_context_len, capacity)
         self.max_chunk_size = max_chunk_size or DEFAULT_MAX_CHUNK_SIZE
         self.max_batch_size = max_batch_size or min(DEFAULT_MAX_BATCH_SIZE, self.max_chunk_size, cache.num_pages)
         if self.max_batch_size > self.max_chunk_size:
@@ -118,7 +138,8 @@ class Generator:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
         if draft_model is not None:
-            if draft_cache is None or (draft_cache.num_pages, draft_cache.page_size) != (cache.num_pages, cache.page_size):
+            draft_shape = None if draft_cache is None else (draft_cache.num_pages, draft_cache.page_size)
+            if draft_shape != (cache.num_pages, cache.page_size):
                 raise ValueError("draft_cache must have the main cache's number of pages and page size")
             if draft_model.config.vocab_size != model.config.vocab_size:
                 raise ValueError(
@@ -126,15 +147,24 @@ class Generator:
                 )
         self.draft_model = draft_model
         self.draft_cache = draft_cache
-        self.ngram_drafter = NgramDrafter(max_ngram, num_draft_tokens, model.config.vocab_size) if use_ngram_draft else None
+        self.ngram_drafter = (
+            NgramDrafter(max_ngram, num_draft_tokens, model.config.vocab_size) if use_ngram_draft else None
+        )
         speculating = draft_model is not None or use_ngram_draft
+        configs = [model.config] + ([draft_model.config] if draft_model is not None else [])
+        self.kv = KVManager(cache.num_pages, self.page_size, prefix_caching, _releasable_window(configs))
         self.scheduler = Scheduler(
-            self.pool, self.page_size, self.max_batch_size, self.max_chunk_size, max_skips, prefix_caching,
+            self.kv, self.max_batch_size, self.max_chunk_size, max_skips,
             num_draft_tokens if speculating else 0, max_speculative_batch,
         )
+        self.sampler = BatchSampler(self.max_batch_size, model.config.vocab_size, self.device)
+        self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, draft_model, draft_cache)
         self._sequences: dict[int, Sequence] = {}
         self._next_serial = 0
         self._undelivered: list[Result] = []
+        self.overlap = overlap
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if overlap else None
+        self._pending: list[tuple[Sequence, list[int]]] = []
         self._seed_source = random.Random(seed)
         self._steps = 0
         self._generated_tokens = 0
@@ -142,6 +172,10 @@ class Generator:
         self._cached_prompt_tokens = 0
         self._drafted_tokens = 0
         self._accepted_draft_tokens = 0
+
+    @property
+    def pool(self) -> PagePool:
+        return self.kv.pool
 
     @classmethod
     def from_pretrained(
@@ -156,13 +190,13 @@ class Generator:
         draft_model_path: str | Path | None = None,
         **generator_options: Any,
     ) -> Generator:
-        """Load model + tokenizer from an HF directory and size the paged cache
+        """Load model + tokenizer from an HF directory or a .gguf file and size the paged cache
         from cache_tokens, else cache_memory bytes, else a device default
         (1 GiB on CPU, 85% of free memory on CUDA), never more than
         max_batch_size * max_seq_len tokens would use. draft_model_path loads a
         draft model for speculative decoding, with a cache of the same pages."""
         device = torch.device(device)
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = Tokenizer.from_pretrained(path)
         model = load_model(path, device, dtype, progress)
         page_size = page_size or DEFAULT_PAGE_SIZE
         cache_dtype = model.embed_tokens.weight.dtype
@@ -170,7 +204,7 @@ class Generator:
         if cache_tokens is None:
             if cache_memory is None:
                 cache_memory = _default_cache_bytes(device)
-            max_seq_len = generator_options.get("max_seq_len") or model.config.max_position_embeddings
+            max_seq_len = generator_options.get("max_seq_len") or model.config.max_context_len
             max_batch = generator_options.get("max_batch_size") or DEFAULT_MAX_BATCH_SIZE
             cache_tokens = min(cache_memory // per_token, max_seq_len * max_batch)
         num_pages = max(1, -(-cache_tokens // page_size))
@@ -202,10 +236,11 @@ class Generator:
         stop_ids = job.stop_token_ids
         if stop_ids is None:
             stop_ids = frozenset(self.tokenizer.eos_token_ids)
+        seed = job.seed if job.seed is not None else self._seed_source.randrange(2**63)
         rng = None
         if not job.gen_settings.is_greedy:
             rng = torch.Generator(device="cpu")
-            rng.manual_seed(job.seed if job.seed is not None else self._seed_source.randrange(2**63))
+            rng.manual_seed(seed)
         sequence = Sequence(
             job=job,
             serial=serial,
@@ -220,6 +255,7 @@ class Generator:
             stop_matcher=StopStringMatcher(job.stop_strings) if job.stop_strings else None,
             rng=rng,
             time_enqueued=time.monotonic(),
+            seed=seed,
         )
         self._sequences[serial] = sequence
         self.scheduler.add(sequence)
@@ -233,20 +269,21 @@ class Generator:
 
     def cancel(self, job: Job | int) -> bool:
         """Stop a job now and free its pages; its final result (eos_reason
-        "cancelled") comes with the next iterate(). False if it was not active."""
+        FinishReason.CANCELLED) comes with the next iterate(). False if it was not active."""
         serial = job if isinstance(job, int) else job.serial
         sequence = self._sequences.pop(serial, None) if serial is not None else None
         if sequence is None:
             return False
         self.scheduler.remove(sequence)
-        self._undelivered.append(self._final_result(sequence, "", [], "cancelled"))
+        self._release_rows(serial)
+        self._undelivered.append(self._final_result(sequence, "", [], FinishReason.CANCELLED))
         return True
 
     def num_remaining_jobs(self) -> int:
         return len(self._sequences) + len(self._undelivered)
 
     def num_active_jobs(self) -> int:
-        return len(self.scheduler.running)
+        return self.scheduler.num_running
 
     def num_pending_jobs(self) -> int:
         return len(self.scheduler.waiting)
@@ -254,7 +291,7 @@ class Generator:
     @property
     def stats(self) -> GeneratorStats:
         return GeneratorStats(
-            active_jobs=len(self.scheduler.running),
+            active_jobs=self.scheduler.num_running,
             pending_jobs=len(self.scheduler.waiting),
             pages_total=self.pool.num_pages,
             pages_used=self.pool.num_used,
@@ -272,95 +309,136 @@ class Generator:
 
     def iterate(self) -> list[Result]:
         """One scheduling step and one batched forward; returns every result
-        produced (started / streaming / eos) in this step."""
+        produced (started / streaming / eos) in this step. With overlap, the
+        text of the tokens a step samples (detokenizing, stop strings, results)
+        is produced while the next step's forward runs, so a token's result
+        comes with the following iterate()."""
         results, self._undelivered = self._undelivered, []
         schedule = self.scheduler.schedule()
+        for sequence in schedule.preempted:
+            self._release_rows(sequence.serial)
         now = time.monotonic()
         for sequence in schedule.started:
             sequence.time_started = now
             self._cached_prompt_tokens += sequence.cached_tokens
-            results.append(self._result(sequence, "started"))
-        if not schedule.scheduled:
-            return results
+            results.append(self._result(sequence, Stage.STARTED))
+        step = self._launch(schedule) if schedule.scheduled else None
+        late: list[Sequence] = []
+        if self.overlap:
+            results += self._emit_pending(late)
+        ended = self._complete(schedule, step) if step is not None else []
+        if not self.overlap:
+            results += self._emit_pending(late)
+        for sequence in late:
+            self.scheduler.remove(sequence)
+        for sequence in ended + late:
+            self._release_rows(sequence.serial)
+        return results
+
+    def _launch(self, schedule: SchedulerOutput) -> _Step:
+        """Draft, then start the forward and the sampling of the plain rows
+        (on the overlap thread, or here)."""
         self._steps += 1
-        draft_probs = self._fill_drafts([item for item in schedule.scheduled if item.draft_room])
-        batch = self._build_batch(schedule.scheduled)
-        logits = self.model(batch, self.cache.k, self.cache.v)
-        if self.draft_model is not None and self.draft_cache is not None:
-            # the draft keeps K/V for every position the main model computed (same pages)
-            self.draft_model(replace(batch, logits_indices=batch.logits_indices[:0]), self.draft_cache.k,
-                             self.draft_cache.v)
+        drafts, draft_probs = self._fill_drafts([item for item in schedule.scheduled if item.draft_room])
+        rows = [self._row(item, drafts.get(item.sequence.serial, [])) for item in schedule.scheduled]
         plain: list[tuple[Sequence, int]] = []
-        speculated: list[tuple[Sequence, torch.Tensor]] = []
+        speculated: list[tuple[Sequence, int, list[int]]] = []
         row = 0
         for item in schedule.scheduled:
             sequence = item.sequence
-            if item.samples and sequence.draft_ids:
-                width = 1 + len(sequence.draft_ids)
-                speculated.append((sequence, logits[row : row + width]))
-                row += width
+            draft = drafts.get(sequence.serial, [])
+            if item.samples and draft:
+                speculated.append((sequence, row, draft))
+                row += 1 + len(draft)
             elif item.samples:
                 plain.append((sequence, row))
                 row += 1
             if sequence.num_computed < sequence.num_prompt_tokens:
                 self._computed_prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
-            sequence.num_computed += item.num_tokens - len(sequence.draft_ids)
-        emitted: list[tuple[Sequence, list[int]]] = []
-        if plain:
-            rows = [self._sampling_row(s) for s, _ in plain]
-            tokens = sample(logits[[r for _, r in plain]], rows).tolist()
-            emitted += [(s, [t]) for (s, _), t in zip(plain, tokens)]
-        for sequence, rows_logits in speculated:
-            emitted.append((sequence, self._verify(sequence, rows_logits, draft_probs.get(sequence.serial))))
-        now = time.monotonic()
-        for sequence, tokens in emitted:
-            results.append(self._accept_tokens(sequence, tokens, now))
-        return results
-
-    def _fill_drafts(self, items: list[ScheduledSequence]) -> dict[int, torch.Tensor]:
-        """Draft tokens into the room the scheduler left; returns the draft
-        model's distributions for sampled jobs (verify needs q)."""
-        probs: dict[int, torch.Tensor] = {}
-        if not items:
-            return probs
-        if self.ngram_drafter is not None:
-            for item in items:
-                item.sequence.draft_ids = self.ngram_drafter(item.sequence)[: item.draft_room]
-        elif self.draft_model is not None and self.draft_cache is not None:
-            probs = self._draft_with_model(items, self.draft_model, self.draft_cache)
-        for item in items:
-            item.num_tokens = 1 + len(item.sequence.draft_ids)
-        return probs
+        if self._executor is None:
+            work: Future[tuple[torch.Tensor, list[int]]] = Future()
+            work.set_result(self._forward_and_sample(rows, plain))
+        else:
+            work = self._executor.submit(self._forward_and_sample, rows, plain)
+        return _Step(work, plain, speculated, draft_probs)
 
     @torch.inference_mode()
-    def _draft_with_model(
-        self, items: list[ScheduledSequence], draft_model: CausalLM, draft_cache: KVCache
-    ) -> dict[int, torch.Tensor]:
+    def _forward_and_sample(self, rows: list[BatchRow], plain: list[tuple[Sequence, int]]
+                            ) -> tuple[torch.Tensor, list[int]]:
+        """The device work of a step and its one read-back: the plain rows' sampled ids."""
+        logits = self.runner.forward(rows)
+        if not plain:
+            return logits, []
+        rows_logits = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
+        return logits, self.sampler.sample(rows_logits, [s for s, _ in plain]).tolist()
+
+    def _complete(self, schedule: SchedulerOutput, step: _Step) -> list[Sequence]:
+        """Wait for the step, verify drafts, append the tokens and update the
+        scheduler; returns the sequences a stop token or max_new_tokens ended."""
+        logits, tokens = step.work.result()
+        bad = next((i for i, token in enumerate(tokens) if token < 0), None)
+        if bad is not None:
+            self.sampler.raise_for_row(bad)
+        emitted = [(s, [t]) for (s, _), t in zip(step.plain, tokens)]
+        accepted: dict[int, int] = {}
+        for sequence, row, draft in step.speculated:
+            verified = self._verify(sequence, logits[row : row + 1 + len(draft)], draft,
+                                    step.draft_probs.get(sequence.serial))
+            self.sampler.record(sequence, verified)
+            accepted[sequence.serial] = len(verified) - 1
+            emitted.append((sequence, verified))
+        ended: list[Sequence] = []
+        for sequence, new in emitted:
+            if sequence.serial not in self._sequences:
+                continue  # a stop string ended it while this step ran
+            kept, done = self._append_tokens(sequence, new)
+            self._pending.append((sequence, kept))
+            if done:
+                ended.append(sequence)
+        self.scheduler.update_from_output(schedule, accepted, ended)
+        return ended
+
+    def _emit_pending(self, finished: list[Sequence]) -> list[Result]:
+        """The text and results of the tokens appended last; sequences a stop
+        string ended go to finished (still to be removed from the scheduler)."""
+        pending, self._pending = self._pending, []
+        now = time.monotonic()
+        results = []
+        for sequence, tokens in pending:
+            if sequence.serial not in self._sequences:
+                continue  # cancelled meanwhile
+            result = self._emit(sequence, tokens, now)
+            results.append(result)
+            if result.eos and result.eos_reason is FinishReason.STOP_STRING:
+                finished.append(sequence)
+        return results
+
+    def _fill_drafts(
+        self, items: list[ScheduledSequence]
+    ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+        """Draft tokens into the room the scheduler left: serial -> draft ids,
+        and the draft model's distributions for sampled jobs (verify needs q)."""
+        if not items:
+            return {}, {}
+        if self.ngram_drafter is not None:
+            return {item.sequence.serial: self.ngram_drafter(item.sequence)[: item.draft_room] for item in items}, {}
+        if self.draft_model is not None and self.draft_cache is not None:
+            return self._draft_with_model(items)
+        return {}, {}
+
+    @torch.inference_mode()
+    def _draft_with_model(self, items: list[ScheduledSequence]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Run the draft model autoregressively, one batched forward per draft
         position, over the sequences' own pages in the draft cache."""
-        page_size = self.page_size
+        drafts: dict[int, list[int]] = {item.sequence.serial: [] for item in items}
         probs: dict[int, list[torch.Tensor]] = {item.sequence.serial: [] for item in items}
         for step in range(max(item.draft_room for item in items)):
             active = [item.sequence for item in items if item.draft_room > step]
-            ids, positions, slots, tables = [], [], [], []
-            width = max(len(s.pages) for s in active)
-            for sequence in active:
-                position = len(sequence.token_ids) - 1 + step
-                ids.append(sequence.draft_ids[-1] if step else sequence.token_ids[-1])
-                positions.append(position)
-                slots.append(sequence.pages[position // page_size] * page_size + position % page_size)
-                tables.append(sequence.pages + [sequence.pages[0]] * (width - len(sequence.pages)))
-            batch = ForwardBatch(
-                input_ids=torch.tensor(ids, device=self.device),
-                positions=torch.tensor(positions, device=self.device),
-                cu_seqlens_q=torch.arange(len(active) + 1, dtype=torch.int32, device=self.device),
-                context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=self.device),
-                page_table=torch.tensor(tables, dtype=torch.int32, device=self.device),
-                slot_mapping=torch.tensor(slots, device=self.device),
-                logits_indices=torch.arange(len(active), device=self.device),
-            )
-            logits = draft_model(batch, draft_cache.k, draft_cache.v)
-            rows = [self._sampling_row(s, s.draft_ids) for s in active]
+            logits = self.runner.draft_forward([
+                BatchRow(s, len(s.token_ids) - 1 + step, [drafts[s.serial][-1] if step else s.token_ids[-1]], 1)
+                for s in active
+            ])
+            rows = [self._sampling_row(s, drafts[s.serial]) for s in active]
             greedy = [row.settings.is_greedy for row in rows]
             q = sampling_probs(logits, rows)
             tokens = sample(logits, rows).tolist() if all(greedy) else None
@@ -370,13 +448,13 @@ class Generator:
                 else:
                     probs[sequence.serial].append(q[i])
                     token = draw(q[i], sequence.rng)
-                sequence.draft_ids.append(token)
-        return {serial: torch.stack(q) for serial, q in probs.items() if q}
+                drafts[sequence.serial].append(token)
+        return drafts, {serial: torch.stack(q) for serial, q in probs.items() if q}
 
-    def _verify(self, sequence: Sequence, logits: torch.Tensor, draft_probs: torch.Tensor | None) -> list[int]:
-        """Check a sequence's draft against the main model; keep the cache
-        state of the accepted tokens only."""
-        draft = sequence.draft_ids
+    def _verify(
+        self, sequence: Sequence, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None
+    ) -> list[int]:
+        """Check a sequence's draft against the main model: the tokens to emit."""
         rows = [self._sampling_row(sequence, draft[:i]) for i in range(len(draft) + 1)]
         tokens = verify(logits, rows, draft, draft_probs)
         accepted = len(tokens) - 1
@@ -384,9 +462,6 @@ class Generator:
         sequence.rejected_draft_tokens += len(draft) - accepted
         self._accepted_draft_tokens += accepted
         self._drafted_tokens += len(draft)
-        sequence.num_computed += accepted
-        sequence.draft_ids = []
-        self.scheduler.trim_pages(sequence, len(sequence.token_ids) + len(tokens))
         return tokens
 
     def generate(
@@ -422,8 +497,8 @@ class Generator:
             self.enqueue(job)
         while self.num_remaining_jobs():
             for result in self.iterate():
-                if result["eos"]:
-                    completions[result["serial"]] = result["full_completion"]
+                if result.eos and result.full_completion is not None:
+                    completions[result.serial] = result.full_completion
         texts = [completions[job.serial] for job in jobs if job.serial is not None]
         return texts[0] if isinstance(prompt, str) else texts
 
@@ -450,60 +525,19 @@ class Generator:
                     f"embeddings: vectors of width {embedding.vectors.shape[1]}, the model's hidden_size is {hidden}"
                 )
 
-    def _build_batch(self, scheduled: list[ScheduledSequence]) -> ForwardBatch:
-        page_size = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens = [0]
-        context_lens: list[int] = []
-        logits_indices: list[int] = []
-        max_pages = max(len(item.sequence.pages) for item in scheduled)
-        page_table: list[list[int]] = []
-        embed_positions: list[int] = []
-        embed_values: list[torch.Tensor] = []
-        for item in scheduled:
-            sequence = item.sequence
-            start = sequence.num_computed
-            end = start + item.num_tokens
-            pages = sequence.pages
-            draft = sequence.draft_ids
-            rows = sequence.job.embedding_rows
-            if rows and start < sequence.num_prompt_tokens:
-                for offset, token in enumerate(sequence.token_ids[start : min(end, sequence.num_prompt_tokens)]):
-                    if token in rows:
-                        embedding, row = rows[token]
-                        embed_positions.append(len(input_ids) + offset)
-                        embed_values.append(embedding.vectors[row])
-            input_ids.extend(sequence.token_ids[start : end - len(draft)])
-            input_ids.extend(draft)
-            positions.extend(range(start, end))
-            slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + item.num_tokens)
-            context_lens.append(end)
-            if item.samples:
-                logits_indices.extend(range(cu_seqlens[-1] - 1 - len(draft), cu_seqlens[-1]))
-            page_table.append(pages + [pages[0]] * (max_pages - len(pages)))
-        device = self.device
+    @staticmethod
+    def _row(item: ScheduledSequence, draft: list[int]) -> BatchRow:
+        sequence = item.sequence
+        start = sequence.num_computed
+        tokens = sequence.token_ids[start : start + item.num_tokens]
+        if draft:
+            tokens += draft
+        return BatchRow(sequence, start, tokens, 1 + len(draft) if item.samples else 0)
 
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        embeddings = None
-        if embed_positions:
-            for i in embed_positions:
-                input_ids[i] = 0
-            embeddings = (tensor(embed_positions, torch.long), torch.stack(embed_values).to(device))
-        return ForwardBatch(
-            embeddings=embeddings,
-            input_ids=tensor(input_ids, torch.long),
-            positions=tensor(positions, torch.long),
-            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            page_table=tensor(page_table, torch.int32),
-            slot_mapping=tensor(slots, torch.long),
-            logits_indices=tensor(logits_indices, torch.long),
-        )
+    def _release_rows(self, serial: int) -> None:
+        """A sequence left the running batch: free its sampler slot and table row."""
+        self.sampler.release(serial)
+        self.runner.release(serial)
 
     def _sampling_row(self, sequence: Sequence, pending: list[int] | None = None) -> SamplingRow:
         """Sampling inputs for the sequence's next token, as if `pending`
@@ -520,46 +554,64 @@ class Generator:
             suppress_ids=tuple(suppress),
         )
 
-    def _accept_tokens(self, sequence: Sequence, tokens: list[int], now: float) -> Result:
-        """Append this step's tokens one by one, releasing their text; the
-        first stop condition (or max_new_tokens) finishes the job and drops
-        whatever tokens follow it."""
+    def _append_tokens(self, sequence: Sequence, tokens: list[int]) -> tuple[list[int], bool]:
+        """Append a step's tokens up to the first stop token (once min_new_tokens
+        allows stopping) or max_new_tokens; True if one of those ended the job.
+        Stop strings need the text: _emit finds them."""
+        job = sequence.job
+        for i, token in enumerate(tokens):
+            sequence.append(token)
+            self._generated_tokens += 1
+            generated = sequence.num_generated
+            stopped = token in sequence.stop_token_ids and generated >= job.min_new_tokens
+            if generated >= job.max_new_tokens or stopped:
+                return tokens[: i + 1], True
+        return tokens, False
+
+    def _emit(self, sequence: Sequence, tokens: list[int], now: float) -> Result:
+        """Release the text of tokens _append_tokens appended; the first stop
+        condition finishes the job, and tokens after a stop string are taken back."""
         if sequence.time_first_token is None:
             sequence.time_first_token = now
         texts: list[str] = []
+        before = sequence.num_generated - len(tokens)
         for i, token in enumerate(tokens):
-            finished = self._accept_token(sequence, token, texts)
+            finished = self._release_token(sequence, token, before + i + 1, texts)
             if finished is not None:
                 reason, trigger = finished
+                extra = len(tokens) - i - 1
+                if extra:
+                    del sequence.token_ids[-extra:], sequence.output_ids[-extra:]
+                    self._generated_tokens -= extra
                 return self._finish(sequence, "".join(texts), tokens[: i + 1], reason, trigger)
         text = "".join(texts)
         sequence.completion.append(text)
-        return self._result(sequence, "streaming", text, tokens)
+        return self._result(sequence, Stage.STREAMING, text, tokens)
 
-    def _accept_token(self, sequence: Sequence, token: int, texts: list[str]) -> tuple[str, int | str | None] | None:
-        """Append one token and its released text; (eos_reason, trigger) if it ends the job."""
-        sequence.token_ids.append(token)
-        self._generated_tokens += 1
+    def _release_token(self, sequence: Sequence, token: int, generated: int, texts: list[str]
+                       ) -> tuple[FinishReason, int | str | None] | None:
+        """Release one appended token's text (generated: the job's token count
+        up to it); (eos_reason, trigger) if it ends the job."""
         job = sequence.job
-        can_stop = sequence.num_generated >= job.min_new_tokens
+        can_stop = generated >= job.min_new_tokens
         matcher = sequence.stop_matcher
         if token in sequence.stop_token_ids and can_stop:
             texts.append(self._release(sequence, sequence.detokenizer.flush(), can_stop=True)[0])
             if matcher is not None:
                 texts.append(matcher.flush())
-            return "stop_token", token
+            return FinishReason.STOP_TOKEN, token
         text, stop_string = self._release(sequence, sequence.detokenizer.add([token]), can_stop)
         texts.append(text)
         if stop_string is not None:
-            return "stop_string", stop_string
-        if sequence.num_generated >= job.max_new_tokens:
+            return FinishReason.STOP_STRING, stop_string
+        if generated >= job.max_new_tokens:
             tail, stop_string = self._release(sequence, sequence.detokenizer.flush(), can_stop)
             texts.append(tail)
             if stop_string is not None:
-                return "stop_string", stop_string
+                return FinishReason.STOP_STRING, stop_string
             if matcher is not None:
                 texts.append(matcher.flush())
-            return "max_new_tokens", None
+            return FinishReason.MAX_NEW_TOKENS, None
         return None
 
     @staticmethod
@@ -568,39 +620,32 @@ class Generator:
             return text, None
         return sequence.stop_matcher.feed(text, can_stop)
 
-    def _finish(self, sequence: Sequence, text: str, token_ids: list[int], reason: str, trigger: int | str | None
-                ) -> Result:
+    def _finish(self, sequence: Sequence, text: str, token_ids: list[int], reason: FinishReason,
+                trigger: int | str | None) -> EngineOutput:
         sequence.completion.append(text)
         self._sequences.pop(sequence.serial, None)
-        self.scheduler.remove(sequence)
         result = self._final_result(sequence, text, token_ids, reason)
         if isinstance(trigger, int):
-            result["eos_token_id"] = trigger
+            result.eos_token_id = trigger
         elif isinstance(trigger, str):
-            result["eos_string"] = trigger
+            result.eos_string = trigger
         return result
 
-    def _result(self, sequence: Sequence, stage: str, text: str = "", token_ids: list[int] | None = None) -> Result:
-        return {
-            "job": sequence.job,
-            "serial": sequence.serial,
-            "identifier": sequence.job.identifier,
-            "stage": stage,
-            "eos": False,
-            "text": text,
-            "token_ids": token_ids or [],
-        }
+    @staticmethod
+    def _result(sequence: Sequence, stage: Stage, text: str = "", token_ids: list[int] | None = None) -> EngineOutput:
+        return EngineOutput(sequence.job, sequence.serial, sequence.job.identifier, stage, False, text,
+                            token_ids or [])
 
-    def _final_result(self, sequence: Sequence, text: str, token_ids: list[int], reason: str) -> Result:
+    def _final_result(self, sequence: Sequence, text: str, token_ids: list[int], reason: FinishReason
+                      ) -> EngineOutput:
         now = time.monotonic()
         started = sequence.time_started if sequence.time_started is not None else now
         first = sequence.time_first_token if sequence.time_first_token is not None else now
-        result = self._result(sequence, "eos", text, token_ids)
-        result.update(
-            eos=True,
+        return EngineOutput(
+            sequence.job, sequence.serial, sequence.job.identifier, Stage.EOS, True, text, token_ids,
             eos_reason=reason,
             full_completion="".join(sequence.completion),
-            completion_ids=sequence.output_ids,
+            completion_ids=list(sequence.output_ids),
             new_tokens=sequence.num_generated,
             prompt_tokens=sequence.num_prompt_tokens,
             cached_tokens=sequence.cached_tokens,
@@ -610,7 +655,15 @@ class Generator:
             time_prefill=first - started,
             time_generate=now - first,
         )
-        return result
+
+
+def _releasable_window(configs: Seq[ModelConfig]) -> int | None:
+    """The sliding window past which no model on the shared pages reads, or
+    None when some model attends globally."""
+    windows = [config.sliding_window for config in configs]
+    if any(window is None for window in windows):
+        return None
+    return max(w for w in windows if w is not None)
 
 
 def _default_cache_bytes(device: torch.device) -> int:

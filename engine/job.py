@@ -15,6 +15,7 @@ import torch
 from engine.embeddings import Embedding
 from engine.sampling import SamplerSettings
 
+
 class Job:
     """One request. `stop_conditions=None` stops on the model's EOS ids
     (tokenizer_config + generation_config); pass `[]` to never stop early.
@@ -59,7 +60,8 @@ class Job:
         }
         missing = [e for e in self.embeddings if e.first_id not in self.input_ids]
         if missing:
-            raise ValueError(f"input_ids lacks the reserved ids of {len(missing)} embedding(s): place embedding.token_ids")
+            raise ValueError(
+                f"input_ids lacks the reserved ids of {len(missing)} embedding(s): place embedding.token_ids")
         self.serial: int | None = None
 
     def __repr__(self) -> str:

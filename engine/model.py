@@ -1,8 +1,9 @@
-"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) over a flattened
-variable-length batch with a paged KV cache.
+"""Decoder-only transformer over a flattened variable-length batch with a
+paged KV cache: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE.
 
-q/k/v and gate/up projections are fused into one matmul each; attention,
-norms, RoPE and the activation go through kernels/.
+This module assembles the layers (engine/layers.py, engine/moe.py) and the
+rotary embeddings (engine/rope.py) into the model; each layer takes its own
+attention window, RoPE table and MLP kind from ModelConfig.
 """
 
 from __future__ import annotations
@@ -10,89 +11,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
-from engine.rope import inverse_frequencies, rope_cos_sin
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)[0]
-            k = self.k_norm(k)[0]
-        else:
-            q, k = q.contiguous(), k.contiguous()
-        kernels.apply_rope(q, k, cos, sin)
-        kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = kernels.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.page_table,
-            batch.cu_seqlens_q,
-            batch.context_lens,
-            self.scale,
-            self.sliding_window,
-        )
-        return self.o_proj(out.reshape(-1, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+from engine.layers import MLP, Attention, RMSNorm
+from engine.moe import SparseMoE
+from engine.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.mlp: nn.Module = SparseMoE(config) if config.layer_is_moe(layer) else MLP(config)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(
         self,
@@ -104,14 +41,21 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): the next norm adds them."""
         if residual is None:
             residual = hidden
             normed, _ = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(normed, cos, sin, k_cache, v_cache, batch)
-        normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            normed, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(normed), residual
+        # Gemma: the attention and MLP outputs are normed before they join the residual
+        hidden, _ = self.post_attention_layernorm(hidden)
+        normed, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, _ = self.post_feedforward_layernorm(self.mlp(normed))
+        return hidden, residual
 
 
 class CausalLM(nn.Module):
@@ -122,23 +66,48 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+        self.sliding_rotary = None
+        if config.sliding_rope is not None:
+            self.sliding_rotary = RotaryEmbedding(config.sliding_rope, config.head_dim)
+        # per layer: whether it takes the sliding layers' RoPE table
+        self.layer_uses_sliding_rope = [
+            self.sliding_rotary is not None and config.layer_window(i) is not None for i in range(config.num_layers)
+        ]
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Compute the RoPE frequency buffers (not in checkpoints) on `device`,
+        e.g. after building the model on the meta device."""
+        for rotary in (self.rotary, self.sliding_rotary):
+            if rotary is not None:
+                rotary.reset_buffers(device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
+        if self.config.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         if batch.embeddings is not None:
             rows, vectors = batch.embeddings
             hidden[rows] = vectors.to(hidden.dtype)
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
+        tables = [self.rotary(batch.positions)]
+        if self.sliding_rotary is not None:
+            tables.append(self.sliding_rotary(batch.positions))
         residual: torch.Tensor | None = None
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+        for layer, sliding_rope, k_cache, v_cache in zip(
+            self.layers, self.layer_uses_sliding_rope, k_caches, v_caches
+        ):
+            cos, sin = tables[1 if sliding_rope else 0]
             hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, batch)
         rows = batch.logits_indices
         hidden, _ = self.norm(hidden[rows], residual[rows] if residual is not None else None)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

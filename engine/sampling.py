@@ -207,6 +207,32 @@ class SamplingRow:
 
 
 @dataclass
+class BatchInputs:
+    """Every per-row input of one sampling pass as batch tensors on the logits'
+    device, plus the rows' settings on the host (they choose the code paths, so
+    choosing never waits for the device).
+
+    bias: additive [B, V] logit edits (token_bias, and -inf for banned ids);
+    masked: (rows, ids) set to -inf after the bias (suppressed stop tokens);
+    seen: [B, V] bool, ids in prompt or output (repetition penalty);
+    counts: [B, V] fp32 occurrences in the output (frequency/presence penalty).
+    The penalty tensors are None when no row of the batch uses them.
+    """
+
+    settings: Sequence[SamplerSettings]
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    bias: torch.Tensor | None = None
+    masked: tuple[torch.Tensor, torch.Tensor] | None = None
+    repetition_penalty: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+
+@dataclass
 class _Group:
     """Sampled rows that share one code path; probs are unnormalized, zero where filtered."""
 
@@ -215,28 +241,15 @@ class _Group:
     order: torch.Tensor | None  # vocab id of each column of probs when it is sorted
 
 
-@dataclass
-class _Prepared:
-    greedy_rows: list[int]
-    greedy_ids: torch.Tensor | None
-    groups: list[_Group]
-
-
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Pick one token per row: int64 ids of shape [B] on the logits' device."""
     _check_batch(logits, rows)
     if _plain_greedy(rows):
         return logits.argmax(dim=-1)
-    prepared = _prepare(logits, rows)
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    if prepared.greedy_rows:
-        out[_index(prepared.greedy_rows, logits.device)] = prepared.greedy_ids
-    for group in prepared.groups:
-        gens = [rows[i].generator for i in group.rows]
-        pos = _draw(group.probs, gens)
-        ids = pos if group.order is None else group.order.gather(1, pos[:, None]).squeeze(1)
-        out[_index(group.rows, logits.device)] = ids
-    return out
+    inputs = _inputs_from_rows(logits, rows)
+    x, bad = edited_logits(logits, inputs)
+    _raise_if_bad(bad, logits, x, rows)
+    return choose(x, inputs, _uniforms_from_rows(rows, logits.device))
 
 
 def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -245,20 +258,70 @@ def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     Speculative decoding needs it to accept or resample draft tokens exactly.
     """
     _check_batch(logits, rows)
-    batch, vocab = logits.shape
-    device = logits.device
-    out = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
     if _plain_greedy(rows):
-        out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        return out
-    prepared = _prepare(logits, rows)
-    if prepared.greedy_rows:
-        out[_index(prepared.greedy_rows, device), prepared.greedy_ids] = 1.0
-    for group in prepared.groups:
+        out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    inputs = _inputs_from_rows(logits, rows)
+    x, bad = edited_logits(logits, inputs)
+    _raise_if_bad(bad, logits, x, rows)
+    return distribution(x, inputs)
+
+
+def edited_logits(logits: torch.Tensor, inputs: BatchInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-2 on an fp32 copy; also [B] bool: rows left with no finite logit
+    (returned, not checked, so the caller decides when to wait for it)."""
+    x = logits.to(torch.float32, copy=True)
+    if inputs.bias is not None:
+        x += inputs.bias
+    if inputs.masked is not None:
+        x[inputs.masked] = -math.inf
+    if inputs.repetition_penalty is not None and inputs.seen is not None:
+        if x.is_cuda:
+            penalty = inputs.repetition_penalty[:, None]
+            x = torch.where(inputs.seen, torch.where(x > 0, x / penalty, x * penalty), x)
+        else:  # a row has seen few ids: touch only those (off CUDA, reading the indices back is free)
+            rows, ids = inputs.seen.nonzero(as_tuple=True)
+            values = x[rows, ids]
+            penalty = inputs.repetition_penalty[rows]
+            x[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
+    if inputs.counts is not None and inputs.frequency_penalty is not None and inputs.presence_penalty is not None:
+        counts = inputs.counts
+        x -= inputs.frequency_penalty[:, None] * counts + inputs.presence_penalty[:, None] * (counts > 0).to(x.dtype)
+    return x, ~torch.isfinite(x.amax(dim=-1))
+
+
+def choose(x: torch.Tensor, inputs: BatchInputs, uniform: torch.Tensor | None) -> torch.Tensor:
+    """Steps 3-8 on edited logits: greedy rows take the argmax, sampled rows draw
+    with their entry of uniform ([B] in [0, 1); unused for greedy rows)."""
+    greedy = [i for i, s in enumerate(inputs.settings) if s.is_greedy]
+    if len(greedy) == x.shape[0]:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    if greedy:
+        index = _index(greedy, x.device)
+        out[index] = x[index].argmax(dim=-1)
+    if uniform is None:
+        raise ValueError("sampled rows need uniforms")
+    for group in _filter(x, inputs):
+        index = _index(group.rows, x.device)
+        pos = _draw(group.probs, uniform[index])
+        out[index] = pos if group.order is None else group.order.gather(1, pos[:, None]).squeeze(1)
+    return out
+
+
+def distribution(x: torch.Tensor, inputs: BatchInputs) -> torch.Tensor:
+    """The normalized [B, V] distribution choose() draws from (greedy rows: one-hot)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    greedy = [i for i, s in enumerate(inputs.settings) if s.is_greedy]
+    if greedy:
+        index = _index(greedy, x.device)
+        out[index, x[index].argmax(dim=-1)] = 1.0
+    for group in _filter(x, inputs):
         probs = group.probs / group.probs.sum(dim=-1, keepdim=True)
         if group.order is not None:
-            probs = torch.zeros_like(probs).scatter_(1, group.order, probs)
-        out[_index(group.rows, device)] = probs
+            probs = torch.zeros(probs.shape[0], x.shape[1], dtype=probs.dtype, device=x.device).scatter_(
+                1, group.order, probs)
+        out[_index(group.rows, x.device)] = probs
     return out
 
 
@@ -280,50 +343,58 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _prepare(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> _Prepared:
-    """Steps 1-7: everything but the draw, shared by sample() and sampling_probs()."""
-    x = logits.to(torch.float32, copy=True)  # edited in place below; the caller's tensor is not
-    _apply_bias_and_masks(x, rows)
-    _apply_penalties(x, rows)
-    _check_finite(x, logits, rows)
-
-    greedy_rows = [i for i, r in enumerate(rows) if r.settings.is_greedy]
-    greedy_ids = x[_index(greedy_rows, x.device)].argmax(dim=-1) if greedy_rows else None
-    groups = []
-    for needs_sort in (False, True):
-        members = [i for i, r in enumerate(rows)
-                   if not r.settings.is_greedy and r.settings._needs_sort == needs_sort]
-        if members:
-            groups.append(_filter(x, rows, members, needs_sort))
-    return _Prepared(greedy_rows, greedy_ids, groups)
-
-
-def _apply_bias_and_masks(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Step 1, as two indexed writes for the whole batch."""
-    vocab = x.shape[1]
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_values: list[float] = []
-    mask_rows: list[int] = []
-    mask_ids: list[int] = []
-    for i, row in enumerate(rows):
-        settings = row.settings
-        if settings.token_bias:
-            bias_rows.extend([i] * len(settings.token_bias))
-            bias_ids.extend(settings.token_bias.keys())
-            bias_values.extend(settings.token_bias.values())
-        n_masked = len(settings.banned_token_ids) + len(row.suppress_ids)
-        if n_masked:
-            mask_rows.extend([i] * n_masked)
-            mask_ids.extend(settings.banned_token_ids)
-            mask_ids.extend(int(t) for t in row.suppress_ids)
+def _inputs_from_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> BatchInputs:
+    """BatchInputs built from per-row Python settings and id lists (the functional API)."""
+    device = logits.device
+    batch, vocab = logits.shape
+    settings = [r.settings for r in rows]
+    for i, r in enumerate(rows):
+        if not r.settings.is_greedy and r.generator is None:
+            raise ValueError(f"row {i} samples (temperature {r.settings.temperature}) "
+                             "but has no torch.Generator; only greedy rows may pass generator=None")
+    inputs = BatchInputs(
+        settings=settings,
+        temperature=torch.tensor([s.temperature for s in settings], device=device),
+        top_p=torch.tensor([s.top_p for s in settings], device=device),
+        min_p=torch.tensor([s.min_p for s in settings], device=device),
+    )
+    bias_rows, bias_ids, bias_values, mask_rows, mask_ids = [], [], [], [], []
+    for i, (row, s) in enumerate(zip(rows, settings)):
+        bias_rows += [i] * len(s.token_bias)
+        bias_ids += list(s.token_bias.keys())
+        bias_values += list(s.token_bias.values())
+        masked = [*s.banned_token_ids, *(int(t) for t in row.suppress_ids)]
+        mask_rows += [i] * len(masked)
+        mask_ids += masked
     if (bias_ids and max(bias_ids) >= vocab) or (mask_ids and (min(mask_ids) < 0 or max(mask_ids) >= vocab)):
         _raise_out_of_vocab(rows, vocab)
     if bias_rows:
-        index = (_index(bias_rows, x.device), _index(bias_ids, x.device))
-        x.index_put_(index, torch.tensor(bias_values, dtype=x.dtype, device=x.device), accumulate=True)
+        inputs.bias = torch.zeros(batch, vocab, device=device).index_put_(
+            (_index(bias_rows, device), _index(bias_ids, device)),
+            torch.tensor(bias_values, device=device), accumulate=True)
     if mask_rows:
-        x[_index(mask_rows, x.device), _index(mask_ids, x.device)] = -math.inf
+        inputs.masked = (_index(mask_rows, device), _index(mask_ids, device))
+    if any(s.repetition_penalty != 1.0 for s in settings):
+        inputs.repetition_penalty = torch.tensor([s.repetition_penalty for s in settings], device=device)
+        inputs.seen = _token_counts([(r.prompt_ids, r.output_ids) for r in rows], vocab, device) > 0
+    if any(s.frequency_penalty != 0.0 or s.presence_penalty != 0.0 for s in settings):
+        inputs.frequency_penalty = torch.tensor([s.frequency_penalty for s in settings], device=device)
+        inputs.presence_penalty = torch.tensor([s.presence_penalty for s in settings], device=device)
+        inputs.counts = _token_counts([(r.output_ids,) for r in rows], vocab, device)
+    return inputs
+
+
+def _uniforms_from_rows(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+    """One uniform per sampled row from its own generator, in the order the rows'
+    groups are drawn (rows sharing a generator see the same sequence as before)."""
+    uniform = torch.zeros(len(rows), dtype=torch.float32)
+    order = sorted((i for i, r in enumerate(rows) if not r.settings.is_greedy),
+                   key=lambda i: rows[i].settings._needs_sort)
+    for i in order:
+        generator = rows[i].generator
+        assert generator is not None
+        uniform[i] = torch.rand(1, generator=generator, device=generator.device).item()
+    return uniform.to(device)
 
 
 def _raise_out_of_vocab(rows: Sequence[SamplingRow], vocab: int) -> None:
@@ -332,27 +403,6 @@ def _raise_out_of_vocab(rows: Sequence[SamplingRow], vocab: int) -> None:
         for token in row.suppress_ids:
             if not 0 <= token < vocab:
                 raise ValueError(f"suppress_ids of row {i} contains {token}, outside the vocabulary [0, {vocab})")
-
-
-def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Step 2, only on the rows that have penalties."""
-    vocab = x.shape[1]
-    rep = [i for i, r in enumerate(rows) if r.settings.repetition_penalty != 1.0]
-    if rep:
-        counts = _token_counts([(rows[i].prompt_ids, rows[i].output_ids) for i in rep], vocab, x.device)
-        penalty = torch.tensor([rows[i].settings.repetition_penalty for i in rep], device=x.device)[:, None]
-        index = _index(rep, x.device)
-        sub = x[index]
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        x[index] = torch.where(counts > 0, penalized, sub)
-    openai = [i for i, r in enumerate(rows)
-              if r.settings.frequency_penalty != 0.0 or r.settings.presence_penalty != 0.0]
-    if openai:
-        counts = _token_counts([(rows[i].output_ids,) for i in openai], vocab, x.device)
-        freq = torch.tensor([rows[i].settings.frequency_penalty for i in openai], device=x.device)[:, None]
-        presence = torch.tensor([rows[i].settings.presence_penalty for i in openai], device=x.device)[:, None]
-        index = _index(openai, x.device)
-        x[index] = x[index] - freq * counts - presence * (counts > 0).to(x.dtype)
 
 
 def _token_counts(seqs: list[tuple[Sequence[int], ...]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -368,20 +418,25 @@ def _token_counts(seqs: list[tuple[Sequence[int], ...]], vocab: int, device: tor
     return counts[:, :vocab]
 
 
-def _check_finite(x: torch.Tensor, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def _raise_if_bad(bad: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Fail with a named cause instead of sampling from NaN (one reduction, one sync)."""
-    bad = ~torch.isfinite(x.amax(dim=-1))
-    if not bool(bad.any()):
-        return
-    i = int(bad.nonzero()[0, 0])
-    row, settings, vocab = rows[i], rows[i].settings, x.shape[1]
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise_empty_distribution(i, logits, x, rows[i].settings, rows[i].suppress_ids)
+
+
+def raise_empty_distribution(
+    i: int, logits: torch.Tensor, x: torch.Tensor, settings: SamplerSettings, suppress_ids: Sequence[int]
+) -> None:
+    """Raise the EmptyDistributionError that names why row i has no finite logit."""
+    vocab = x.shape[1]
     if not bool(torch.isfinite(logits[i].float().amax())):
         raise EmptyDistributionError(
             f"row {i}: the model's logits are NaN, +inf or all -inf before any sampling setting applies")
     if bool(torch.isneginf(x[i]).all()):
         culprits = [name for name, value in (("token_bias", settings.token_bias),
                                              ("banned_token_ids", settings.banned_token_ids),
-                                             ("suppress_ids", row.suppress_ids)) if len(value)]
+                                             ("suppress_ids", suppress_ids)) if len(value)]
         raise EmptyDistributionError(
             f"row {i}: {' and '.join(culprits) or 'the sampling settings'} leave no token with a finite "
             f"logit among the {vocab} in the vocabulary; nothing can be sampled")
@@ -391,47 +446,80 @@ def _check_finite(x: torch.Tensor, logits: torch.Tensor, rows: Sequence[Sampling
         f"overflowed the logits to a non-finite value")
 
 
-def _filter(x: torch.Tensor, rows: Sequence[SamplingRow], members: list[int], needs_sort: bool) -> _Group:
-    """Steps 4-7 for sampled rows; sorted rows keep their order so the draw can map back."""
-    device = x.device
+def _path(settings: SamplerSettings, vocab: int) -> tuple[str, int]:
+    """Which filter a sampled row takes; it depends on the row's own settings only,
+    so a seeded row draws the same tokens whatever shares its batch."""
+    if not settings._needs_sort:
+        return "plain", 0
+    if 0 < settings.top_k < vocab:
+        return "top_k", settings.top_k
+    return "sort", 0
+
+
+def _filter(x: torch.Tensor, inputs: BatchInputs) -> list[_Group]:
+    """Steps 4-7 for the sampled rows, one group per code path."""
     vocab = x.shape[1]
-    settings = [rows[i].settings for i in members]
-    for i in members:
-        if rows[i].generator is None:
-            raise ValueError(f"row {i} samples (temperature {rows[i].settings.temperature}) "
-                             "but has no torch.Generator; only greedy rows may pass generator=None")
-    temperature = torch.tensor([s.temperature for s in settings], device=device)[:, None]
-    z = (x if len(members) == x.shape[0] else x[_index(members, device)]) / temperature
-    order = None
-    if needs_sort:
-        z, order = z.sort(dim=-1, descending=True, stable=True)
-        top_k = [s.top_k if 0 < s.top_k < vocab else vocab for s in settings]
-        if min(top_k) < vocab:
-            positions = torch.arange(vocab, device=device)
-            z.masked_fill_(positions >= torch.tensor(top_k, device=device)[:, None], -math.inf)
-    probs = torch.softmax(z, dim=-1)
-    if needs_sort and any(s.top_p < 1.0 for s in settings):
-        limit = torch.tensor([s.top_p - _TOP_P_TOLERANCE if s.top_p < 1.0 else math.inf for s in settings],
-                             device=device)[:, None]
-        cumulative = probs.cumsum(dim=-1)
-        mass_before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
-        drop = mass_before >= limit
-        drop[:, 0] = False
-        probs = probs.masked_fill(drop, 0.0)
-    if any(s.min_p > 0.0 for s in settings):
-        min_p = torch.tensor([s.min_p for s in settings], device=device)[:, None]
-        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-    return _Group(members, probs, order)
+    paths: dict[tuple[str, int], list[int]] = {}
+    for i, s in enumerate(inputs.settings):
+        if not s.is_greedy:
+            paths.setdefault(_path(s, vocab), []).append(i)
+    groups = []
+    for (path, k), members in paths.items():
+        index = _index(members, x.device)
+        z = (x if len(members) == x.shape[0] else x[index]) / inputs.temperature[index, None]
+        order = None
+        if path == "top_k":
+            z, order = _top_k_stable(z, k)
+        elif path == "sort":
+            z, order = z.sort(dim=-1, descending=True, stable=True)
+        probs = torch.softmax(z, dim=-1)
+        settings = [inputs.settings[i] for i in members]
+        if order is not None and any(s.top_p < 1.0 for s in settings):
+            top_p = inputs.top_p[index, None]
+            limit = torch.where(top_p < 1.0, top_p - _TOP_P_TOLERANCE, math.inf)
+            mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+            drop = mass_before >= limit
+            drop[:, 0] = False
+            probs = probs.masked_fill(drop, 0.0)
+        if any(s.min_p > 0.0 for s in settings):
+            min_p = inputs.min_p[index, None]
+            probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        groups.append(_Group(members, probs, order))
+    return groups
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """Step 8: inverse CDF, one uniform per row from that row's own generator.
+def _top_k_stable(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row in the order a stable descending sort
+    gives (ties: lower id first), without sorting the whole vocabulary.
+
+    Off CUDA, a float top-k whose candidates are re-sorted stably is exact
+    unless a tie straddles the k-th place, which one host check rules out
+    (reading back is free there). Otherwise, and on CUDA where that read would
+    stall the stream, each value becomes a unique int64 key (its float bits,
+    ordered, then the id reversed), so top-k over the keys is exact and tie-free.
+    """
+    z = z + 0.0  # -0.0 -> +0.0: they compare equal, so they must rank equal
+    if not z.is_cuda:
+        values, order = z.topk(k, dim=-1)
+        if not bool(((z >= values[:, -1:]).sum(dim=-1) > k).any()):
+            order = order.sort(dim=-1).values
+            values = z.gather(1, order)
+            values, position = values.sort(dim=-1, descending=True, stable=True)
+            return values, order.gather(1, position)
+    vocab = z.shape[1]
+    bits = z.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ids = torch.arange(vocab - 1, -1, -1, device=z.device)
+    order = (ordered * (1 << 32) + ids).topk(k, dim=-1).indices
+    return z.gather(1, order), order
+
+
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Step 8: inverse CDF, one uniform per row.
 
     The target stays strictly below the row's total mass, so the first CDF entry above it
     always belongs to a token with positive probability.
     """
-    draws = [torch.rand(1, generator=g, device=g.device) for g in generators]
-    uniform = torch.cat([d.to(probs.device) for d in draws])
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -1,7 +1,10 @@
-"""Step scheduling: which sequences run in the next forward, with how many tokens.
+"""Step scheduling policy: which sequences run in the next forward, with how
+many tokens. Pages, hashes and prefix lookup belong to the KV manager; the
+scheduler only decides, and learns what happened through update_from_output.
 
 Per step, within a token budget (max_chunk_size):
 1. running sequences that decode (one uncomputed token) go first, oldest first;
+   while few decode, each also gets room (pages and budget) for draft tokens;
 2. running sequences still in prefill get the next chunk of their prompt;
 3. waiting sequences are admitted (up to max_batch_size running) when the
    free pages, less those promised to unfinished prefills, cover their whole
@@ -9,12 +12,11 @@ Per step, within a token budget (max_chunk_size):
    chunk runs in this same step.
 
 With prefix caching, a sequence admitted from scratch first takes the
-longest run of its full pages that the pool already holds (shared if in use,
-revived if parked), never including its last token, and computes only the
-rest. Every page a step fills completely is named (hashed) when the step is
-scheduled: its content is written in this step's forward before any
-attention reads it (each layer writes all K/V before attending), so two
-identical prompts admitted in the same step already share pages.
+longest cached prefix the KV manager finds and computes only the rest. Every
+page a step fills completely is named when the step is scheduled: its content
+is written in this step's forward before any attention reads it (each layer
+writes all K/V before attending), so two identical prompts admitted in the
+same step already share pages.
 
 A sequence that needs a page when none is free makes the scheduler preempt
 the newest running sequence (vLLM's recompute policy): its pages are freed
@@ -22,213 +24,195 @@ and it goes back to the head of the queue with its generated tokens kept, to
 be prefilled again later. Admission may pass over a waiting sequence that
 does not fit yet, but at most max_skips times; after that nothing overtakes
 it, so no job starves.
+
+The schedule a step returns is immutable. After the forward, the generator
+appends the sampled tokens to the sequences and calls update_from_output with
+how many draft tokens each kept and which sequences finished; only then does
+the scheduler advance what is computed, give back pages of rejected drafts
+and of positions out of a sliding window, and drop finished sequences.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from engine.cache import ROOT_HASH, PagePool, page_hash
+from engine.kv_manager import KVManager
 from engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ScheduledSequence:
-    """num_tokens this step; a decoding sequence may also have room (pages and
-    budget) for up to draft_room draft tokens, which the generator fills in."""
+    """num_tokens known tokens of the sequence computed this step, plus room
+    (pages and budget) for up to draft_room draft tokens after them. samples:
+    the step computes the sequence's last known token, so its logits give the
+    next one (and, past it, those of any draft tokens)."""
 
     sequence: Sequence
     num_tokens: int
+    samples: bool
     draft_room: int = 0
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the sequence's last known token, so its
-        logits give the next one (and, past it, those of any draft tokens)."""
-        sequence = self.sequence
-        return sequence.num_computed + self.num_tokens - len(sequence.draft_ids) == len(sequence.token_ids)
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSequence, ...] = ()
+    started: tuple[Sequence, ...] = ()
+    preempted: tuple[Sequence, ...] = ()
 
 
 @dataclass
-class Schedule:
+class _Draft:
+    """The schedule being built."""
+
+    budget: int
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     started: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    chosen: set[int] = field(default_factory=set)
+
+    def freeze(self) -> SchedulerOutput:
+        return SchedulerOutput(tuple(self.scheduled), tuple(self.started), tuple(self.preempted))
 
 
 class Scheduler:
     def __init__(
         self,
-        pool: PagePool,
-        page_size: int,
+        kv: KVManager,
         max_batch_size: int,
         max_chunk_size: int,
         max_skips: int = 16,
-        prefix_caching: bool = True,
         num_draft_tokens: int = 0,
         max_speculative_batch: int = 0,
     ) -> None:
-        self.pool = pool
-        self.prefix_caching = prefix_caching
+        self.kv = kv
         self.num_draft_tokens = num_draft_tokens
         self.max_speculative_batch = max_speculative_batch
-        self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.max_chunk_size = max_chunk_size
         self.max_skips = max_skips
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self._running: dict[int, Sequence] = {}
         self.num_preemptions = 0
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Running sequences, oldest admission first."""
+        return list(self._running.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
 
     def remove(self, sequence: Sequence) -> None:
         """Drop a finished or cancelled sequence and free its pages now."""
-        if sequence in self.running:
-            self.running.remove(sequence)
-        elif sequence in self.waiting:
+        if self._running.pop(sequence.serial, None) is None and sequence in self.waiting:
             self.waiting.remove(sequence)
-        self._free_pages(sequence)
+        self.kv.free(sequence)
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def schedule(self) -> Schedule:
-        schedule = Schedule()
-        budget = self.max_chunk_size
-        scheduled: set[int] = set()
-
-        decoding = [s for s in self.running if s.num_uncomputed == 1]
+    def schedule(self) -> SchedulerOutput:
+        step = _Draft(self.max_chunk_size)
+        decoding = [s for s in self._running.values() if s.num_uncomputed == 1]
         # Speculation pays while decoding is memory-bound; a large batch is compute-bound already.
         drafts = self.num_draft_tokens if len(decoding) <= self.max_speculative_batch else 0
         for sequence in decoding:
-            if budget == 0:
+            if step.budget == 0:
                 break
-            if sequence.serial in scheduled or sequence not in self.running:
+            if sequence.serial in step.chosen or sequence.serial not in self._running:
                 continue
-            room = max(0, min(drafts, budget - 1, sequence.job.max_new_tokens - sequence.num_generated - 1))
-            if self._grow(sequence, len(sequence.token_ids) + room, scheduled, schedule):
-                self._schedule(sequence, 1 + room, schedule, draft_room=room)
-                scheduled.add(sequence.serial)
-                budget -= 1 + room
+            room = max(0, min(drafts, step.budget - 1, sequence.job.max_new_tokens - sequence.num_generated - 1))
+            if self._grow(sequence, len(sequence.token_ids) + room, step):
+                self._schedule(sequence, 1, step, draft_room=room)
 
-        for sequence in [s for s in self.running if s.num_uncomputed > 1]:
-            if budget == 0:
+        for sequence in [s for s in self._running.values() if s.num_uncomputed > 1]:
+            if step.budget == 0:
                 break
-            if sequence.serial in scheduled or sequence not in self.running:
+            if sequence.serial in step.chosen or sequence.serial not in self._running:
                 continue
-            chunk = min(sequence.num_uncomputed, budget)
-            if self._grow(sequence, sequence.num_computed + chunk, scheduled, schedule):
-                self._schedule(sequence, chunk, schedule)
-                scheduled.add(sequence.serial)
-                budget -= chunk
+            chunk = min(sequence.num_uncomputed, step.budget)
+            if self._grow(sequence, sequence.num_computed + chunk, step):
+                self._schedule(sequence, chunk, step)
 
-        budget = self._admit(budget, schedule)
-        return schedule
+        self._admit(step)
+        return step.freeze()
 
-    def _admit(self, budget: int, schedule: Schedule) -> int:
+    def update_from_output(
+        self, output: SchedulerOutput, accepted_drafts: Mapping[int, int], finished: Iterable[Sequence]
+    ) -> None:
+        """After the forward: the scheduled tokens (and accepted_drafts[serial]
+        draft tokens) are computed; finished sequences leave and free their pages."""
+        kv = self.kv
+        for item in output.scheduled:
+            sequence = item.sequence
+            if sequence.serial not in self._running:
+                continue
+            sequence.num_computed += item.num_tokens + accepted_drafts.get(sequence.serial, 0)
+            if item.draft_room:
+                kv.trim(sequence, len(sequence.token_ids))
+            kv.release_out_of_window(sequence)
+        for sequence in finished:
+            self.remove(sequence)
+
+    def _admit(self, step: _Draft) -> None:
+        kv = self.kv
         promised = sum(
-            self.pages_for(len(s.token_ids)) - len(s.pages) for s in self.running if s.num_uncomputed > 1
+            kv.pages_for(len(s.token_ids)) - len(s.pages) for s in self._running.values() if s.num_uncomputed > 1
         )
         passed_over: list[Sequence] = []
         for sequence in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.max_batch_size:
+            if step.budget == 0 or len(self._running) >= self.max_batch_size:
                 break
             if any(s.skips >= self.max_skips for s in passed_over):
                 break
-            cached = self._cached_prefix(sequence)
-            revived = sum(1 for page in cached if self.pool.is_parked(page))
-            needed = self.pages_for(len(sequence.token_ids) + 1) - len(cached) + revived
-            if self.pool.num_free - promised < needed:
+            prefix = kv.cached_prefix(sequence)
+            needed = kv.pages_for(len(sequence.token_ids) + 1) - len(prefix.pages) + prefix.num_parked
+            if kv.num_free - promised < needed:
                 passed_over.append(sequence)
                 continue
             for earlier in passed_over:
                 earlier.skips += 1
-            self.pool.retain(cached)
-            sequence.pages = cached
-            sequence.registered_pages = len(cached)
-            sequence.num_computed = len(cached) * self.page_size
+            kv.take_prefix(sequence, prefix)
             if sequence.time_started is None:
                 sequence.cached_tokens = sequence.num_computed
-                schedule.started.append(sequence)
-            chunk = min(sequence.num_uncomputed, budget)
+                step.started.append(sequence)
+            chunk = min(sequence.num_uncomputed, step.budget)
             self.waiting.remove(sequence)
-            self.running.append(sequence)
-            sequence.pages.extend(self.pool.allocate(self.pages_for(sequence.num_computed + chunk) - len(cached)))
-            promised += self.pages_for(len(sequence.token_ids)) - len(sequence.pages)
-            self._schedule(sequence, chunk, schedule)
-            budget -= chunk
-        return budget
+            self._running[sequence.serial] = sequence
+            kv.grow(sequence, sequence.num_computed + chunk)
+            promised += kv.pages_for(len(sequence.token_ids)) - len(sequence.pages)
+            self._schedule(sequence, chunk, step)
 
-    def _cached_prefix(self, sequence: Sequence) -> list[int]:
-        """The pages already holding this sequence's leading full pages; the
-        page with its last token is never taken (its logits are needed)."""
-        if not self.prefix_caching:
-            return []
-        usable = (len(sequence.token_ids) - 1) // self.page_size
-        self._hash_pages(sequence, usable)
-        pages: list[int] = []
-        for digest in sequence.page_hashes[:usable]:
-            page = self.pool.lookup(digest)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+    def _schedule(self, sequence: Sequence, num_tokens: int, step: _Draft, draft_room: int = 0) -> None:
+        """Add the sequence's next num_tokens known tokens to this step and name
+        the pages they complete (never pages that only draft tokens reach)."""
+        end = sequence.num_computed + num_tokens
+        step.scheduled.append(ScheduledSequence(sequence, num_tokens, end == len(sequence.token_ids), draft_room))
+        step.chosen.add(sequence.serial)
+        step.budget -= num_tokens + draft_room
+        self.kv.name_full_pages(sequence, end)
 
-    def _hash_pages(self, sequence: Sequence, count: int) -> None:
-        """Extend the sequence's chain of full-page hashes to `count` pages."""
-        size = self.page_size
-        hashes = sequence.page_hashes
-        tokens = sequence.token_ids
-        while len(hashes) < count:
-            k = len(hashes)
-            hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, tokens[k * size : (k + 1) * size]))
-
-    def _schedule(self, sequence: Sequence, num_tokens: int, schedule: Schedule, draft_room: int = 0) -> None:
-        """Add the sequence's next num_tokens to this step and name the pages its
-        known tokens complete (never pages that only draft tokens reach)."""
-        schedule.scheduled.append(ScheduledSequence(sequence, num_tokens, draft_room))
-        if self.prefix_caching:
-            known = min(sequence.num_computed + num_tokens, len(sequence.token_ids))
-            full = known // self.page_size
-            self._hash_pages(sequence, full)
-            for k in range(sequence.registered_pages, full):
-                self.pool.register(sequence.pages[k], sequence.page_hashes[k])
-            sequence.registered_pages = max(sequence.registered_pages, full)
-
-    def _grow(self, sequence: Sequence, num_tokens: int, scheduled: set[int], schedule: Schedule) -> bool:
+    def _grow(self, sequence: Sequence, num_tokens: int, step: _Draft) -> bool:
         """Give the sequence pages for num_tokens tokens, preempting the newest
         unscheduled running sequences as needed. False if it was itself preempted."""
-        needed = self.pages_for(num_tokens) - len(sequence.pages)
-        while needed > self.pool.num_free:
-            victim = next((s for s in reversed(self.running) if s.serial not in scheduled), None)
+        needed = self.kv.pages_missing(sequence, num_tokens)
+        while needed > self.kv.num_free:
+            victim = next((s for s in reversed(self._running.values()) if s.serial not in step.chosen), None)
             if victim is None:
                 return False
-            self._preempt(victim, schedule)
+            self._preempt(victim, step)
             if victim is sequence:
                 return False
-        if needed > 0:
-            sequence.pages.extend(self.pool.allocate(needed))
+        self.kv.grow(sequence, num_tokens)
         return True
 
-    def _preempt(self, sequence: Sequence, schedule: Schedule) -> None:
-        self.running.remove(sequence)
-        self._free_pages(sequence)
+    def _preempt(self, sequence: Sequence, step: _Draft) -> None:
+        del self._running[sequence.serial]
+        self.kv.free(sequence)
         sequence.num_computed = 0
         self.waiting.appendleft(sequence)
-        schedule.preempted.append(sequence)
+        step.preempted.append(sequence)
         self.num_preemptions += 1
-
-    def trim_pages(self, sequence: Sequence, num_tokens: int) -> None:
-        """Give back pages past num_tokens (those only rejected draft tokens used)."""
-        keep = self.pages_for(num_tokens)
-        if len(sequence.pages) > keep:
-            self.pool.release(sequence.pages[keep:])
-            del sequence.pages[keep:]
-
-    def _free_pages(self, sequence: Sequence) -> None:
-        self.pool.release(sequence.pages)
-        sequence.pages = []
-        sequence.registered_pages = 0

@@ -11,10 +11,14 @@ from engine.job import Job
 from engine.stops import StopStringMatcher
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """A job's tokens and where they stand: token_ids holds prompt + generated
-    tokens, of which the first num_computed have K/V in the cache pages."""
+    tokens, of which the first num_computed have K/V in the cache pages.
+    pages[k] is the physical page of logical page k (kv_manager.HOLE once a
+    sliding window released it); the first released_pages entries are holes.
+    page_version moves whenever pages change, so batch builders can cache them.
+    Identity, not field equality: the scheduler keeps sequences in sets and dicts."""
 
     job: Job
     serial: int
@@ -25,18 +29,21 @@ class Sequence:
     stop_matcher: StopStringMatcher | None
     rng: torch.Generator | None
     time_enqueued: float
+    seed: int = 0
     pages: list[int] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)
     registered_pages: int = 0
+    released_pages: int = 0
+    page_version: int = 0
     num_computed: int = 0
     cached_tokens: int = 0
-    draft_ids: list[int] = field(default_factory=list)
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
     skips: int = 0
     time_started: float | None = None
     time_first_token: float | None = None
     completion: list[str] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -46,6 +53,6 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_ids.append(token)

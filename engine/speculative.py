@@ -68,7 +68,11 @@ def verify(
 ) -> list[int]:
     """Main-model logits [k + 1, V] at the positions of (last token, d_1..d_k)
     -> the tokens to emit: the accepted drafts plus one token from the main model.
-    rows[i] carries the settings and the context (generated ids + d_1..d_i) of position i."""
+    rows[i] carries the settings and the context (generated ids + d_1..d_i) of position i.
+
+    Every draft is accepted or rejected in one vectorised pass with k + 1
+    uniforms from the row's generator (k acceptance tests, one final draw), and
+    the result crosses to the host once, whatever k is."""
     settings = rows[0].settings
     if settings.is_greedy:
         targets = sample(logits, rows).tolist()
@@ -77,26 +81,37 @@ def verify(
             accepted += 1
         return [*draft[:accepted], targets[accepted]]
     probs = sampling_probs(logits, rows)
+    k = len(draft)
     generator = rows[0].generator
-    for i, token in enumerate(draft):
-        p = probs[i]
-        q = draft_probs[i] if draft_probs is not None else _one_hot(token, p)
-        keep = torch.clamp(p[token] / q[token], max=1.0)
-        if torch.rand((), generator=generator, device=generator.device).to(p.device) < keep:
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        return [*draft[:i], draw(residual, generator)]
-    return [*draft, draw(probs[len(draft)], generator)]
+    assert generator is not None
+    uniform = torch.rand(k + 1, generator=generator, device=generator.device).to(probs.device)
+    d = torch.tensor(list(draft), dtype=torch.long, device=probs.device)
+    q = draft_probs if draft_probs is not None else _one_hot(d, probs.shape[1], probs.dtype)
+    p_d = probs[:k].gather(1, d[:, None]).squeeze(1)
+    q_d = q.gather(1, d[:, None]).squeeze(1)
+    kept = uniform[:k] < torch.clamp(p_d / q_d, max=1.0)
+    first_rejected = kept.to(torch.long).cumprod(0).sum()  # k when every draft is kept
+    # the final token: from the residual max(0, p - q) at the first rejection, else from p after the last draft
+    weights = torch.cat([torch.clamp(probs[:k] - q, min=0.0), probs[k:]])[first_rejected]
+    token = _inverse_cdf(weights, uniform[k])
+    accepted, last = torch.stack([first_rejected, token]).tolist()
+    return [*draft[:accepted], last]
 
 
-def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    q = torch.zeros_like(like)
-    q[token] = 1.0
-    return q
+def _one_hot(tokens: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.nn.functional.one_hot(tokens, vocab).to(dtype)
+
+
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF segment holds uniform * total mass (a 0-d tensor, no
+    sync); the target stays below the total, so it lands on a positive weight."""
+    cdf = weights.cumsum(0)
+    total = cdf[-1:]
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp(max=weights.shape[0] - 1)[0]
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     """One token from unnormalised non-negative weights (inverse CDF)."""
-    cdf = weights.cumsum(0)
-    target = torch.rand((), generator=generator, device=generator.device).to(cdf.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, target.unsqueeze(0), right=True).clamp(max=weights.shape[0] - 1))
+    uniform = torch.rand((), generator=generator, device=generator.device).to(weights.device)
+    return int(_inverse_cdf(weights, uniform))

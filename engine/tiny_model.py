@@ -553,6 +553,26 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def write_tokenizer_files(out_dir: str | Path, vocab_size: int, family: str = "llama", max_len: int = 2048) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json
+    for a vocab_size-token BPE in `family`'s style. make_tiny_model() uses it;
+    so can a checkpoint written by other means (e.g. transformers' own random
+    init in the tests) that needs a real tokenizer beside it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab_size, family)
+    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(family, max_len))
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": SPECIAL_TOKENS.index(BOS),
+            "eos_token_id": [SPECIAL_TOKENS.index(EOS), SPECIAL_TOKENS.index(IM_END)],
+        },
+    )
+    return out
+
+
 def make_tiny_model(
     out_dir: str | Path,
     family: str = "llama",
@@ -572,17 +592,7 @@ def make_tiny_model(
     """
     config = model_config(family, preset, dtype=dtype, vocab_size=vocab_size, **config_overrides)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(config["vocab_size"], family)
-    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(family, config["max_position_embeddings"]))
-    _write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": SPECIAL_TOKENS.index(BOS),
-            "eos_token_id": [SPECIAL_TOKENS.index(EOS), SPECIAL_TOKENS.index(IM_END)],
-        },
-    )
+    write_tokenizer_files(out, config["vocab_size"], family, config["max_position_embeddings"])
     _write_json(out / "config.json", config)
     _write_weights(out, _random_weights(config, seed, DTYPES[dtype]), num_shards)
     return out

@@ -1,4 +1,5 @@
-"""Tokenizer for a Hugging Face model directory as it is, on `tokenizers` alone.
+"""Tokenizer for a Hugging Face model directory as it is (or a GGUF file's
+embedded vocabulary, see engine/gguf_tokenizer.py), on `tokenizers` alone.
 
 Reads tokenizer.json plus the optional tokenizer_config.json,
 special_tokens_map.json, generation_config.json and chat_template.jinja, and
@@ -23,6 +24,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import ModelLoadError
+from engine.gguf_file import is_gguf, open_gguf
+from engine.gguf_tokenizer import read_tokenizer
 
 # The named special tokens transformers knows, each also a chat-template variable.
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -196,6 +199,24 @@ class Tokenizer:
             generation_eos_token_ids=_as_id_list(generation.get("eos_token_id"), "generation_config.json eos_token_id"),
             source=str(root),
         )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer a GGUF file embeds (vocabulary, special tokens, chat template)."""
+        parts = read_tokenizer(open_gguf(path))
+        return cls(
+            backend=parts.backend,
+            special_tokens=parts.special_tokens,
+            add_bos_override=parts.add_bos_token,
+            chat_template=parts.chat_template,
+            generation_eos_token_ids=parts.eos_token_ids,
+            source=str(path),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """from_gguf for a .gguf file, from_dir for an HF model directory."""
+        return cls.from_gguf(path) if is_gguf(path) else cls.from_dir(path)
 
     @property
     def bos_token(self) -> str | None:

@@ -1,10 +1,15 @@
-"""Load HF safetensors checkpoints (single file or sharded with an index)
-into CausalLM, fusing q/k/v and gate/up as they stream in."""
+"""Load a checkpoint into CausalLM: an HF directory of safetensors (single
+file or sharded with an index) or a single GGUF file.
+
+Each format is a source of (HF tensor name, tensor) pairs; one assignment
+step fuses q/k/v and gate/up, stacks MoE experts as they stream in and checks
+that nothing is missing, so both formats get the same shape and completeness
+checks."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,8 +17,8 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.gguf_file import is_gguf, open_gguf
 from engine.model import CausalLM
-from engine.rope import inverse_frequencies
 
 # HF sub-module name -> (our fused parameter's module name, shard index in the fusion)
 _FUSED = {
@@ -23,6 +28,16 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# MoE experts: HF per-expert tensor (Mixtral's names, then Qwen3-MoE's) -> (our stacked parameter, shard in its rows)
+_EXPERT = {
+    "w1": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_HF_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,11 +66,15 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> CausalLM:
-    """Build the model for config.json without initialising weights (meta
-    device), then fill it from the checkpoint. dtype None means config.json's;
-    a name ("bfloat16") works too."""
+    """Build the model for the checkpoint's config without initialising weights
+    (meta device), then fill it from the checkpoint. path is an HF directory or
+    a .gguf file. dtype None means the checkpoint's (float32 for GGUF); a name
+    ("bfloat16") works too. progress(done, total) counts shards, or tensors
+    for GGUF."""
     path = Path(path)
-    config = ModelConfig.from_dir(path)
+    gguf = open_gguf(path) if is_gguf(path) else None
+    raw_config = gguf.config_dict() if gguf is not None else None
+    config = ModelConfig.from_dict(raw_config) if raw_config is not None else ModelConfig.from_dir(path)
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
@@ -71,15 +90,29 @@ def load_model(
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
-    load_weights(model, path, progress)
+    model.reset_buffers(device)
+    if gguf is not None:
+        assign_weights(model, gguf.hf_tensors(dtype, raw_config, progress), str(path))
+    else:
+        assign_weights(model, safetensors_tensors(path, progress), str(path))
     return model.eval()
 
 
-def load_weights(
-    model: CausalLM, path: Path, progress: Callable[[int, int], None] | None = None
-) -> None:
-    """Copy every checkpoint tensor into the model, then check nothing is missing."""
+def safetensors_tensors(
+    path: Path, progress: Callable[[int, int], None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of an HF directory's shards, one at a time."""
+    files = checkpoint_files(path)
+    for file_number, file in enumerate(files, start=1):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                yield hf_name, f.get_tensor(hf_name)
+        if progress is not None:
+            progress(file_number, len(files))
+
+
+def assign_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Copy every (HF name, tensor) into the model, then check nothing is missing."""
     params = dict(model.named_parameters(remove_duplicate=False))
     config = model.config
     q_size = config.num_heads * config.head_dim
@@ -87,59 +120,81 @@ def load_weights(
     fused_sizes = {
         "qkv_proj": [q_size, kv_size, kv_size],
         "gate_up_proj": [config.intermediate_size, config.intermediate_size],
+        "experts.gate_up_proj": [config.moe_intermediate_size, config.moe_intermediate_size],
+        "experts.down_proj": [config.hidden_size],
     }
     loaded: set[str] = set()
-    files = checkpoint_files(path)
-    for file_number, file in enumerate(files, start=1):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                if hf_name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                target, offset, size = _target(hf_name, fused_sizes)
-                if target not in params:
-                    raise ModelLoadError(f"{file.name}: unexpected tensor {hf_name!r} for a {config.family} model")
-                tensor = f.get_tensor(hf_name)
-                param = params[target]
-                destination = param.data if size is None else param.data.narrow(0, offset, size)
-                if destination.shape != tensor.shape:
-                    raise ModelLoadError(
-                        f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies "
-                        f"{tuple(destination.shape)}"
-                    )
-                destination.copy_(tensor)
-                loaded.add(hf_name)
-        if progress is not None:
-            progress(file_number, len(files))
+    for hf_name, tensor in tensors:
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        target, expert, offset, size = _target(hf_name, fused_sizes)
+        if target not in params or (expert is not None and expert >= config.num_experts):
+            raise ModelLoadError(f"{where}: unexpected tensor {hf_name!r} for a {config.family} model")
+        destination = params[target].data if expert is None else params[target].data[expert]
+        if size is not None:
+            destination = destination.narrow(0, offset, size)
+        if destination.shape != tensor.shape:
+            raise ModelLoadError(
+                f"{where}: {hf_name} has shape {tuple(tensor.shape)}, the config implies "
+                f"{tuple(destination.shape)}"
+            )
+        destination.copy_(tensor)
+        loaded.add(hf_name)
     expected = set(_expected_hf_names(model, fused_sizes))
     missing = sorted(expected - loaded)
     if config.tie_word_embeddings:
         missing = [m for m in missing if m != "lm_head.weight"]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors: {shown}")
+        raise ModelLoadError(f"{where}: checkpoint lacks {len(missing)} tensors: {shown}")
 
 
-def _target(hf_name: str, fused_sizes: dict[str, list[int]]) -> tuple[str, int, int | None]:
-    """Map an HF tensor name to (our parameter name, row offset, rows) or rows None for a whole copy."""
-    name = hf_name.removeprefix("model.")
+def _target(hf_name: str, fused_sizes: dict[str, list[int]]) -> tuple[str, int | None, int, int | None]:
+    """Map an HF tensor name to (our parameter name, expert index or None, row
+    offset, rows), rows None for a whole copy."""
+    name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
     parts = name.split(".")
+    at = parts.index("experts") if "experts" in parts else -1
+    if 0 <= at < len(parts) - 2 and parts[at + 1].isdigit() and parts[at + 2] in _EXPERT:
+        # layers.N.mlp.experts.E.{w1|gate_proj|...}.weight -> layers.N.mlp.experts.{gate_up_proj|down_proj}[E]
+        fused, shard = _EXPERT[parts[at + 2]]
+        sizes = fused_sizes[f"experts.{fused}"]
+        target = ".".join([*parts[: at + 1], fused])
+        return target, int(parts[at + 1]), sum(sizes[:shard]), sizes[shard]
     for i, part in enumerate(parts):
         if part in _FUSED:
             fused, shard = _FUSED[part]
             sizes = fused_sizes[fused]
             parts[i] = fused
-            return ".".join(parts), sum(sizes[:shard]), sizes[shard]
-    return name, 0, None
+            return ".".join(parts), None, sum(sizes[:shard]), sizes[shard]
+    return name, None, 0, None
 
 
 def _expected_hf_names(model: CausalLM, fused_sizes: dict[str, list[int]]) -> Iterator[str]:
-    unfused = {fused: [hf for hf, (f, _) in _FUSED.items() if f == fused] for fused in fused_sizes}
+    """Every tensor name the checkpoint must hold, in its own family's spelling."""
+    config = model.config
+    # Phi-3 checkpoints store q/k/v and gate/up fused already
+    unfused = {fused: [hf for hf, (f, _) in _FUSED.items() if f == fused] for fused in ("qkv_proj", "gate_up_proj")}
+    if config.family == "phi3":
+        unfused = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         prefix = "" if name.startswith("lm_head") else "model."
+        if config.family == "mixtral":
+            name = name.replace(".mlp.", ".block_sparse_moe.")
         parts = name.split(".")
+        if "experts" in parts:
+            yield from _expert_names(prefix + ".".join(parts[:-1]), parts[-1], config)
+            continue
         fused = next((p for p in parts if p in unfused), None)
         if fused is None:
             yield prefix + name
             continue
         for hf in unfused[fused]:
             yield prefix + name.replace(fused, hf)
+
+
+def _expert_names(experts: str, stacked: str, config: ModelConfig) -> Iterator[str]:
+    gate, up, down = _HF_EXPERT_NAMES[config.family]
+    for e in range(config.num_experts):
+        for hf in (gate, up) if stacked == "gate_up_proj" else (down,):
+            yield f"{experts}.{e}.{hf}.weight"

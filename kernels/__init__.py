@@ -23,7 +23,15 @@ import torch
 
 from kernels import reference
 
-__all__ = ["apply_rope", "paged_attention", "rms_norm", "silu_and_mul", "write_kv", "triton_enabled"]
+__all__ = [
+    "apply_rope",
+    "gelu_tanh_and_mul",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "triton_enabled",
+    "write_kv",
+]
 
 FORCE_ENV = "GENQ_FORCE_TRITON"
 _triton: ModuleType | None = None
@@ -63,9 +71,13 @@ def _impl(x: torch.Tensor) -> ModuleType:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return _impl(x).rms_norm(x, weight, eps, residual)
+    return _impl(x).rms_norm(x, weight, eps, residual, unit_offset)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -74,6 +86,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _impl(gate_up).silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _impl(gate_up).gelu_tanh_and_mul(gate_up)
 
 
 def write_kv(
@@ -91,10 +107,13 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    return _impl(q).paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window)
+    return _impl(q).paged_attention(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap
+    )
 
 
-for _name in ("rms_norm", "apply_rope", "silu_and_mul", "write_kv", "paged_attention"):
+for _name in ("rms_norm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "write_kv", "paged_attention"):
     globals()[_name].__doc__ = getattr(reference, _name).__doc__
 del _name

@@ -15,6 +15,9 @@ cu_seqlens_q [B+1] delimits them, and context_lens [B] is each sequence's
 length including this step's tokens, so query i of sequence b sits at
 position context_lens[b] - q_len[b] + i and attends causally to positions
 <= that (and > position - sliding_window when a window is set).
+
+Soft-capping (Gemma 2): with a cap c, scaled scores s become c * tanh(s / c)
+before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -27,33 +30,51 @@ import torch.nn.functional as F
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm in fp32, as Hugging Face computes it; with `residual`, first
-    adds it to x and also returns the sum (the next residual)."""
+    adds it to x and also returns the sum (the next residual).
+
+    Llama's convention: weight * normed.to(x.dtype). unit_offset is Gemma's:
+    (normed * (1 + weight)) in fp32, then cast to x's dtype."""
     if residual is not None:
         x = x + residual
         residual = x
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(x.dtype), residual
     return weight * x32.to(x.dtype), residual
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout).
-    cos/sin are [T, D] (the half-frequency table repeated twice)."""
+    cos/sin are [T, R] (the half-frequency table repeated twice); R < D is
+    partial rotary: only the first R dims of each head rotate."""
     cos = cos.unsqueeze(1).to(q.dtype)
     sin = sin.unsqueeze(1).to(q.dtype)
+    rotary = cos.shape[-1]
+    half = rotary // 2
     for x in (q, k):
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        x.copy_(x * cos + rotated * sin)
+        part = x[..., :rotary]
+        rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+        part.copy_(part * cos + rotated * sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for the fused [T, 2 * I] gate/up projection."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up for the fused [T, 2 * I] gate/up projection (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def write_kv(
@@ -74,6 +95,7 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D].
 
@@ -95,15 +117,16 @@ def paged_attention(
         s = starts[b]
         out[s : s + q_len] = _attend(
             q[s : s + q_len].unsqueeze(0), k_cache, v_cache, page_table[b : b + 1], ctx[b : b + 1], scale,
-            sliding_window,
+            sliding_window, softcap,
         ).squeeze(0)
     for q_len, rows in short_rows.items():
         for group in _length_groups(rows, ctx, page_size):
             index = torch.tensor(group, device=q.device)
-            token_idx = (cu_seqlens_q[:-1].long()[index].unsqueeze(1) + torch.arange(q_len, device=q.device)).reshape(-1)
+            starts = cu_seqlens_q[:-1].long()[index].unsqueeze(1)
+            token_idx = (starts + torch.arange(q_len, device=q.device)).reshape(-1)
             out[token_idx] = _attend(
                 q[token_idx].view(len(group), q_len, *q.shape[1:]), k_cache, v_cache, page_table[index],
-                [ctx[b] for b in group], scale, sliding_window,
+                [ctx[b] for b in group], scale, sliding_window, softcap,
             ).reshape(-1, *q.shape[1:])
     return out
 
@@ -151,6 +174,7 @@ def _attend(
     context_lens: list[int],
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, Lq, Hq, D] (the last Lq positions of each context) -> [B, Lq, Hq, D]."""
     batch, q_len = q.shape[0], q.shape[1]
@@ -169,8 +193,30 @@ def _attend(
     mask = key_pos <= query_pos
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
+    if softcap is not None:
+        return _softcapped(q, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap)
     attn = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=mask.unsqueeze(1), scale=scale,
         enable_gqa=True,
     )
     return attn.transpose(1, 2)
+
+
+def _softcapped(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with tanh soft-capped scores (SDPA has no soft-cap), as
+    Gemma 2 computes it: q [B, Lq, Hq, D], keys/values [B, Hkv, S, D], mask [B, Lq, S]."""
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    # [B, Hkv, G * Lq, D]: each KV head's G query heads side by side, no K/V copies
+    grouped = q.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    grouped = grouped.reshape(batch, num_kv_heads, group * q_len, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    visible = mask.unsqueeze(1).unsqueeze(2).expand(batch, 1, group, q_len, mask.shape[-1])
+    scores = scores.masked_fill(~visible.reshape(batch, 1, group * q_len, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, values).view(batch, num_kv_heads, group, q_len, head_dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, head_dim)

@@ -18,7 +18,8 @@ Design (after vLLM's unified Triton attention and flash-decoding):
   pages), with an online softmax in fp32. Query token i of sequence b sits at
   position context_lens[b] - q_len + i and sees keys <= its position (and
   > position - sliding_window), which covers chunked prefill, prefix-cache
-  hits and decode rows with one code path.
+  hits and decode rows with one code path. With a soft-cap c (Gemma 2) each
+  tile's scaled scores become c * tanh(score / c) before the softmax.
 - Decode-only steps (T == B, known from shapes, no device sync) use one
   query token per block and split the context across NUM_SPLITS programs
   (flash-decoding); each writes a partial output and its log-sum-exp, and
@@ -70,6 +71,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (no tanh in tl, and this runs in the interpreter too);
+    exp of a non-positive argument never overflows."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
 def _round(x, dtype: tl.constexpr):
     """x (fp32) rounded to dtype's precision and kept in fp32: reproduces the
     rounding of a torch op computed in dtype."""
@@ -99,7 +109,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -112,20 +122,29 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     var = tl.sum(x32 * x32, axis=0) / n_cols
-    normed = _cast(x32 * (1.0 / tl.sqrt(var + eps)), x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = w.to(tl.float32) * normed.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        # Gemma: (1 + weight) applied in fp32, one rounding at the end
+        y = x32 * (1.0 / tl.sqrt(var + eps)) * (1.0 + w)
+    else:
+        normed = _cast(x32 * (1.0 / tl.sqrt(var + eps)), x_ptr.dtype.element_ty)
+        y = w * normed.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, _cast(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm over the last dim in fp32; with `residual`, first adds it to x
-    and also returns the sum (the next residual). New tensors, like the reference."""
+    and also returns the sum (the next residual). unit_offset scales by
+    (1 + weight) in fp32 (Gemma). New tensors, like the reference."""
     n = x.shape[-1]
     x2 = _row_view(x, n)
-    out_dtype = torch.result_type(weight, x)
+    out_dtype = x.dtype if unit_offset else torch.result_type(weight, x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     out2 = out.view(-1, n)
     res_out = res2 = res_out2 = None
@@ -141,29 +160,42 @@ def rms_norm(
             x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0),
             res_out2.stride(0) if res_out2 is not None else 0,
             n, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=_block(n),
+            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=_block(n),
         )
     return out, res_out
 
 
-# --------------------------------------------------------------------------- SiLU * mul
+# --------------------------------------------------------------------------- activation * mul
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    # silu rounded to the activation dtype before the product, as F.silu(gate) * up does
-    act = _cast(gate / (1.0 + tl.exp(-gate)), out_ptr.dtype.element_ty)
+    if GELU_TANH:
+        act = 0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    # the activation rounded to the activation dtype before the product, as F.silu(gate) * up does
+    act = _cast(act, out_ptr.dtype.element_ty)
     y = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, _cast(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for the fused [..., 2 * I] gate/up projection."""
+    return _act_and_mul(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up for the fused [..., 2 * I] gate/up projection (Gemma)."""
+    return _act_and_mul(gate_up, gelu_tanh=True)
+
+
+def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     width = gate_up.shape[-1]
     inter = width // 2
     x2 = _row_view(gate_up, width)
@@ -171,8 +203,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out2 = out.view(-1, inter)
     block = min(_block(inter), 1024)
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block
+        _act_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, out2, x2.stride(0), out2.stride(0), inter, GELU_TANH=gelu_tanh, BLOCK=block
         )
     return out
 
@@ -212,14 +244,15 @@ def _rope_kernel(
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout).
-    cos/sin are [T, D] (the half-frequency table repeated twice; any scaling,
-    llama3 included, is already in the table)."""
-    tokens, head_dim = q.shape[0], q.shape[-1]
+    cos/sin are [T, R] (the half-frequency table repeated twice; any scaling,
+    llama3 included, is already in the table); R < D is partial rotary: only
+    the first R dims of each head rotate."""
+    tokens = q.shape[0]
     if tokens == 0:
         return
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    half = head_dim // 2
+    half = cos.shape[-1] // 2
     for x in (q, k):
         if x.stride(-1) != 1:
             raise ValueError("apply_rope needs a unit stride along head_dim (it rotates in place)")
@@ -247,9 +280,11 @@ def _write_kv_kernel(
         d = tl.arange(0, BLOCK_D)
         mask = d < head_dim
         kv = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-        tl.store(k_cache_ptr + h * stride_kc_h + slot * stride_kc_s + d, _cast(kv, k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + h * stride_kc_h + slot * stride_kc_s + d, _cast(kv, k_cache_ptr.dtype.element_ty),
+                 mask=mask)
         vv = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-        tl.store(v_cache_ptr + h * stride_vc_h + slot * stride_vc_s + d, _cast(vv, v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + h * stride_vc_h + slot * stride_vc_s + d, _cast(vv, v_cache_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def _slot_stride(cache: torch.Tensor) -> int:
@@ -300,13 +335,13 @@ def _find_sequence(cu_q_ptr, block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     page_table_ptr, cu_q_ptr, ctx_ptr,
-    scale, num_seqs, num_query_heads, head_dim, sliding_window,
+    scale, num_seqs, num_query_heads, head_dim, sliding_window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_h, stride_kc_p, stride_kc_s, stride_vc_h, stride_vc_p, stride_vc_s,
     stride_pt, page_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE_ONLY: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    DECODE_ONLY: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
     block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -366,7 +401,11 @@ def _paged_attention_kernel(
             kt = _cast(kt, q.dtype)
             v = _cast(v, q.dtype)
             s = _dot(q, kt, IEEE)
-            s = s * qk_scale
+            if SOFTCAP:
+                # Gemma 2: cap * tanh(scaled score / cap), then into the exp2 domain
+                s = softcap * _tanh(s * (scale / softcap)) * 1.4426950408889634
+            else:
+                s = s * qk_scale
             visible = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (n[None, :] > q_pos[:, None] - sliding_window)
@@ -437,6 +476,7 @@ def _paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     *,
     num_splits: int | None = None,
     block_m: int | None = None,
@@ -475,14 +515,14 @@ def _paged_attention(
     _paged_attention_kernel[(num_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         page_table, cu_seqlens_q, context_lens,
-        float(scale), batch, num_heads, head_dim, int(sliding_window or 0),
+        float(scale), batch, num_heads, head_dim, int(sliding_window or 0), float(softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), k_cache.shape[2],
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
-        HAS_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
     )
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
@@ -501,6 +541,9 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D]."""
-    return _paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window)
+    return _paged_attention(
+        q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap
+    )

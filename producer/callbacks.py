@@ -20,6 +20,11 @@ are retried with exponential backoff and jitter; any other 4xx is final (the
 receiver refused the payload, sending it again would not help). Each try is
 signed anew (timestamp = send time) and carries the same `X-Genq-Delivery` id,
 so a receiver can drop duplicates.
+
+Before each try the URL is checked again (producer.callback_targets: http(s) only, and by
+default public addresses only) and the request goes to the address that was checked, so a
+name that re-resolves to an internal address after the gateway accepted it is refused here.
+A refused URL is final; a name that does not resolve is retried like a network error.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from typing import Any, Literal
 import httpx
 from celery import Celery, Task
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from producer.callback_targets import CallbackTarget, CallbackUrlRefused, resolve_target
 from producer.protocol import GenerationResult
-from producer.settings import celery_base_config
+from producer.settings import ClientSettings, celery_base_config
 from producer.signing import signed_headers
 
 log = logging.getLogger(__name__)
@@ -48,21 +54,22 @@ RETRYABLE_STATUSES = frozenset({408, 425, 429})
 CallbackEvent = Literal["generation.succeeded", "generation.failed"]
 
 
-class CallbackSettings(BaseSettings):
+class CallbackSettings(ClientSettings):
+    """The shared GENQ_* names (ClientSettings), with `queue` the callback queue, and GENQ_CALLBACK_* knobs."""
+
     model_config = SettingsConfigDict(env_prefix="GENQ_CALLBACK_", extra="ignore", populate_by_name=True)
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="GENQ_REDIS_URL")
-    broker_url: str | None = Field(None, validation_alias="GENQ_BROKER_URL")
-    result_backend: str | None = Field(None, validation_alias="GENQ_RESULT_BACKEND")
-    visibility_timeout_s: int = Field(3600, ge=1, validation_alias="GENQ_VISIBILITY_TIMEOUT_S")
     webhook_secret: SecretStr | None = Field(None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="signs every callback")
-    queue: str = Field(DEFAULT_CALLBACK_QUEUE, description="queue of genq.deliver_callback")
+    queue: str = Field(DEFAULT_CALLBACK_QUEUE, min_length=1, validation_alias="GENQ_CALLBACK_QUEUE",
+                       description="queue of genq.deliver_callback")
     max_retries: int = Field(5, ge=0, description="retries after the first try")
     backoff_s: int = Field(2, ge=1, description="first retry delay; doubled each retry (with full jitter)")
     backoff_max_s: int = Field(300, ge=1, description="ceiling of the retry delay")
     timeout_s: float = Field(10.0, gt=0, description="per-try HTTP timeout")
     concurrency: int = Field(8, ge=1, description="callbacks in flight on one callback worker")
+    allow_private_hosts: bool = Field(False, description="also call back loopback, private, link-local, ... "
+                                                         "addresses (trusted deployments only)")
 
 
 class CallbackRetryable(RuntimeError):
@@ -75,10 +82,9 @@ class CallbackRejected(RuntimeError):
 
 def create_app(settings: CallbackSettings | None = None) -> Celery:
     settings = settings or CallbackSettings()
-    app = Celery("genq-callbacks", broker=settings.broker_url or settings.redis_url,
-                 backend=settings.result_backend or settings.redis_url)
+    app = Celery("genq-callbacks", broker=settings.broker, backend=settings.backend)
     app.conf.update(
-        celery_base_config(settings.visibility_timeout_s),
+        celery_base_config(settings),
         task_acks_late=True,
         worker_prefetch_multiplier=1,
         worker_send_task_events=True,  # deliveries and their retries show in Flower
@@ -91,7 +97,8 @@ def create_app(settings: CallbackSettings | None = None) -> Celery:
     app.genq_callback_settings = settings
 
     # ignore_result: the HTTP status is in the task's events (Flower); the backend need not keep it.
-    @app.task(name=DELIVER_CALLBACK_TASK, bind=True, ignore_result=True,
+    # shared=False: the task closes over these settings, so it must not be lent to other apps.
+    @app.task(name=DELIVER_CALLBACK_TASK, bind=True, ignore_result=True, shared=False,
               autoretry_for=(httpx.TransportError, CallbackRetryable), max_retries=settings.max_retries,
               retry_backoff=settings.backoff_s, retry_backoff_max=settings.backoff_max_s, retry_jitter=True)
     def deliver_callback(self: Task, outcome: dict[str, Any] | str, *, callback_url: str, identifier: str,
@@ -100,6 +107,7 @@ def create_app(settings: CallbackSettings | None = None) -> Celery:
         link: the result dict on success, the failed task's id on failure. Returns the HTTP status."""
         if settings.webhook_secret is None:
             raise CallbackRejected("GENQ_WEBHOOK_SECRET is not set on the callback worker: callbacks are signed")
+        target = _checked_target(callback_url, settings.allow_private_hosts)
         body = json.dumps(_payload(app, outcome, identifier, event), separators=(",", ":")).encode()
         headers = {
             "Content-Type": "application/json",
@@ -108,8 +116,7 @@ def create_app(settings: CallbackSettings | None = None) -> Celery:
             DELIVERY_HEADER: self.request.id,
             **signed_headers(settings.webhook_secret.get_secret_value(), body),  # signed now, at each try
         }
-        response = httpx.post(callback_url, content=body, headers=headers, timeout=settings.timeout_s,
-                              follow_redirects=False)
+        response = post(target, body, headers, settings.timeout_s)
         status = response.status_code
         if status >= 500 or status in RETRYABLE_STATUSES:
             log.warning("callback %s for %s: HTTP %d on try %d of %d", self.request.id, identifier, status,
@@ -120,6 +127,25 @@ def create_app(settings: CallbackSettings | None = None) -> Celery:
         return status
 
     return app
+
+
+def _checked_target(callback_url: str, allow_private: bool) -> CallbackTarget:
+    try:
+        return resolve_target(callback_url, allow_private=allow_private)
+    except CallbackUrlRefused as error:
+        if error.retryable:
+            raise CallbackRetryable(f"{callback_url}: {error}") from None
+        log.error("callback to %s refused: %s", callback_url, error)
+        raise CallbackRejected(f"{callback_url}: {error}") from None
+
+
+def post(target: CallbackTarget, body: bytes, headers: dict[str, str], timeout_s: float) -> httpx.Response:
+    """POST to the checked address, under the URL's own name (Host header, TLS SNI and
+    certificate check); redirects are not followed, since they would skip the check."""
+    extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
+    with httpx.Client(timeout=timeout_s, follow_redirects=False) as client:
+        return client.post(target.connect_url, content=body, headers={**headers, "Host": target.host_header},
+                           extensions=extensions)
 
 
 def _payload(app: Celery, outcome: dict[str, Any] | str, identifier: str, event: CallbackEvent) -> dict[str, Any]:

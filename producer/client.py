@@ -53,6 +53,7 @@ from producer.protocol import (
     stream_key,
 )
 from producer.settings import ClientSettings, celery_base_config
+from producer.watchdog import Watchdog
 
 __all__ = [
     "AsyncGenerationHandle",
@@ -122,7 +123,7 @@ def make_celery(settings: ClientSettings) -> Celery:
     transport options match worker/app.py so priorities land where the workers look."""
     app = Celery("genq-client", broker=settings.broker, backend=settings.backend, set_as_current=False)
     app.conf.update(
-        celery_base_config(settings.visibility_timeout_s),
+        celery_base_config(settings),
         task_send_sent_event=True,
         task_default_queue=settings.queue,
     )
@@ -184,17 +185,30 @@ def _prepare_many(requests: Iterable[RequestLike]) -> list[_Prepared]:
     return prepared
 
 
-def _send(app: Celery, queue: str, prepared: _Prepared, producer: Any = None) -> None:
+def _send(app: Celery, queue: str, prepared: _Prepared, producer: Any = None, watchdog: Watchdog | None = None
+          ) -> None:
     # The Celery priority orders the broker queue; the field tells the worker (docs/protocol.md, 7).
     app.send_task(TASK_NAME, kwargs=prepared.kwargs, queue=queue, task_id=prepared.identifier,
                   priority=prepared.priority, producer=producer, **prepared.options)
+    if watchdog is not None:
+        watchdog.track(prepared.identifier, prepared.kwargs, queue)
 
 
-def _send_many(app: Celery, queue: str, prepared: list[_Prepared]) -> None:
+def _send_many(app: Celery, settings: ClientSettings, prepared: list[_Prepared], watchdog: Watchdog | None) -> None:
     """All messages over one broker connection."""
     with app.producer_or_acquire() as producer:
         for item in prepared:
-            _send(app, queue, item, producer)
+            _send(app, settings.queue_for(item.kwargs), item, producer, watchdog)
+
+
+def _make_watchdog(settings: ClientSettings, app: Celery) -> Watchdog | None:
+    """The resend loop of GENQ_WATCHDOG_AFTER_S (producer/watchdog.py), on its own sync connection."""
+    if settings.watchdog_after_s is None:
+        return None
+    watchdog = Watchdog(app, settings.redis(socket_connect_timeout=CONNECT_TIMEOUT_S), settings.watchdog_after_s,
+                        settings.key_prefix)
+    watchdog.start()
+    return watchdog
 
 
 # --- Results -----------------------------------------------------------------------
@@ -500,17 +514,21 @@ class GenqClient:
     """Sends `genq.generate` tasks and follows them. Thread-safe: share one per process.
 
     Arguments left out come from GENQ_REDIS_URL, GENQ_BROKER_URL, GENQ_RESULT_BACKEND,
-    GENQ_QUEUE, GENQ_KEY_PREFIX and GENQ_VISIBILITY_TIMEOUT_S, as on the workers."""
+    GENQ_QUEUE, GENQ_KEY_PREFIX, GENQ_SENTINEL_MASTER and GENQ_VISIBILITY_TIMEOUT_S, as on
+    the workers. Any of the URLs may be a Sentinel URL (producer/redis_connect.py). With
+    GENQ_WATCHDOG_AFTER_S set, a thread resends requests the broker lost (producer/watchdog.py)."""
 
     def __init__(self, redis_url: str | None = None, *, broker_url: str | None = None,
-                 result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None) -> None:
+                 result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None,
+                 sentinel_master: str | None = None) -> None:
         self.settings = _settings(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend,
-                                  queue=queue, key_prefix=key_prefix)
+                                  queue=queue, key_prefix=key_prefix, sentinel_master=sentinel_master)
         self.queue = self.settings.queue
         self.key_prefix = self.settings.key_prefix
         self.celery = make_celery(self.settings)
-        self.redis = redis.Redis.from_url(self.settings.redis_url, **_redis_options())
-        self._pubsub_redis = redis.Redis.from_url(self.settings.redis_url, **_pubsub_options(Retry(NoBackoff(), 0)))
+        self.watchdog = _make_watchdog(self.settings, self.celery)
+        self.redis = self.settings.redis(**_redis_options())
+        self._pubsub_redis = self.settings.redis(**_pubsub_options(Retry(NoBackoff(), 0)))
 
     def submit(self, request: RequestLike, *, identifier: str | None = None, **options: Any) -> GenerationHandle:
         """Validate (ProtocolError if invalid), subscribe to the request's channel, send the task.
@@ -520,7 +538,7 @@ class GenqClient:
         prepared = _prepare(request, identifier, options)
         pubsub = self._subscribe(prepared.identifier)
         try:
-            _send(self.celery, self.queue, prepared)
+            _send(self.celery, self.settings.queue_for(prepared.kwargs), prepared, None, self.watchdog)
         except BaseException:
             pubsub.close()
             raise
@@ -530,7 +548,7 @@ class GenqClient:
         """Bulk submit over one broker connection; all are validated before any is sent. The handles
         subscribe when iterated (the replay stream covers what came before)."""
         prepared = _prepare_many(requests)
-        _send_many(self.celery, self.queue, prepared)
+        _send_many(self.celery, self.settings, prepared, self.watchdog)
         return [GenerationHandle(self, item.identifier, submitted=True) for item in prepared]
 
     def handle(self, identifier: str) -> GenerationHandle:
@@ -543,6 +561,8 @@ class GenqClient:
         request_cancel(self.redis, identifier, self.key_prefix)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self._pubsub_redis.close()
         self.redis.close()
         self.celery.close()
@@ -704,15 +724,16 @@ class AsyncGenqClient:
     Celery's send_task runs in a thread (asyncio.to_thread); everything else is redis.asyncio."""
 
     def __init__(self, redis_url: str | None = None, *, broker_url: str | None = None,
-                 result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None) -> None:
+                 result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None,
+                 sentinel_master: str | None = None) -> None:
         self.settings = _settings(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend,
-                                  queue=queue, key_prefix=key_prefix)
+                                  queue=queue, key_prefix=key_prefix, sentinel_master=sentinel_master)
         self.queue = self.settings.queue
         self.key_prefix = self.settings.key_prefix
         self.celery = make_celery(self.settings)
-        self.redis = redis.asyncio.Redis.from_url(self.settings.redis_url, **_redis_options())
-        self._pubsub_redis = redis.asyncio.Redis.from_url(
-            self.settings.redis_url, **_pubsub_options(AsyncRetry(NoBackoff(), 0)))
+        self.watchdog = _make_watchdog(self.settings, self.celery)
+        self.redis = self.settings.redis_async(**_redis_options())
+        self._pubsub_redis = self.settings.redis_async(**_pubsub_options(AsyncRetry(NoBackoff(), 0)))
 
     async def submit(self, request: RequestLike, *, identifier: str | None = None,
                      **options: Any) -> AsyncGenerationHandle:
@@ -720,7 +741,8 @@ class AsyncGenqClient:
         prepared = _prepare(request, identifier, options)
         pubsub = await self._subscribe(prepared.identifier)
         try:
-            await asyncio.to_thread(_send, self.celery, self.queue, prepared)
+            await asyncio.to_thread(_send, self.celery, self.settings.queue_for(prepared.kwargs), prepared, None,
+                                    self.watchdog)
         except BaseException:
             await pubsub.aclose()
             raise
@@ -729,7 +751,7 @@ class AsyncGenqClient:
     async def submit_many(self, requests: Iterable[RequestLike]) -> list[AsyncGenerationHandle]:
         """See GenqClient.submit_many."""
         prepared = _prepare_many(requests)
-        await asyncio.to_thread(_send_many, self.celery, self.queue, prepared)
+        await asyncio.to_thread(_send_many, self.celery, self.settings, prepared, self.watchdog)
         return [AsyncGenerationHandle(self, item.identifier, submitted=True) for item in prepared]
 
     def handle(self, identifier: str) -> AsyncGenerationHandle:
@@ -742,6 +764,8 @@ class AsyncGenqClient:
         await request_cancel_async(self.redis, identifier, self.key_prefix)
 
     async def close(self) -> None:
+        if self.watchdog is not None:
+            await asyncio.to_thread(self.watchdog.stop)
         await self._pubsub_redis.aclose()
         await self.redis.aclose()
         await asyncio.to_thread(self.celery.close)

@@ -19,7 +19,6 @@ or booleans ("1" and true are errors; an int is fine where a float is expected).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -78,12 +77,14 @@ __all__ = [
     "StreamOptions",
     "Timings",
     "Usage",
+    "attempt_key",
     "cancel_key",
     "cancel_message",
     "channel_name",
     "control_channel",
     "finish_reason_from_eos",
     "stream_key",
+    "validate_task_id",
 ]
 
 # --- Names -------------------------------------------------------------------
@@ -397,6 +398,14 @@ def _json_type(value: object) -> str:
     return type(value).__name__
 
 
+def _field_name(name: str) -> str:
+    """A field name as it can be shown: hostile names (a lone surrogate cannot even be encoded as
+    UTF-8, a newline would split the one-problem-per-line message) are escaped, long ones cut."""
+    if not name.isprintable():
+        name = ascii(name)[1:-1]
+    return name if len(name) <= 40 else name[:37] + "..."
+
+
 def _format_loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
@@ -405,7 +414,7 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
         elif isinstance(part, int):
             out += f"[{part}]"
         else:
-            name = part if len(part) <= 40 else part[:37] + "..."
+            name = _field_name(part)
             out += f".{name}" if out else name
     return out or "request"
 
@@ -424,6 +433,14 @@ def _describe(error: Mapping[str, Any]) -> str:
     if kind == "extra_forbidden":
         allowed = _fields_at(loc[:-1])
         message = "unknown field" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+    elif kind == "string_unicode" and isinstance(value, str) and (allowed := _fields_at(loc)) is not None:
+        # A key that is not valid Unicode (a lone surrogate) fails the whole object before its
+        # fields are looked at; no field has such a name, so it is an unknown one.
+        return f"{_format_loc((*loc, value))}: unknown field (allowed: {', '.join(allowed)})"
+    elif kind == "string_unicode":
+        if loc and loc[-1] == "[key]":  # pydantic names the key by a lossy decoding of it
+            loc = (*loc[:-2], value, "[key]")
+        message = f"{message}, got {_preview(value)}"
     elif kind == "too_long" and isinstance(value, (list, Mapping)):
         message = f"at most {ctx['max_length']} items allowed, got {len(value)}"
     elif kind == "too_short" and isinstance(value, (list, Mapping)):
@@ -547,6 +564,13 @@ def _name_part(value: object, what: str) -> str:
     return value
 
 
+def validate_task_id(task_id: object) -> str:
+    """A Celery task id the worker accepts: it names the result backend's key
+    (celery-task-meta-<id>) and stands in for a missing identifier, so it obeys the identifier
+    rule (no spaces, glob characters, newlines or NUL in Redis keys). ProtocolError if not."""
+    return _name_part(task_id, "task id")
+
+
 def channel_name(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The pub/sub channel a request's events are published on."""
     return f"{_name_part(prefix, 'prefix')}:chan:{_name_part(identifier, 'identifier')}"
@@ -560,6 +584,16 @@ def stream_key(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
 def cancel_key(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The key whose existence cancels a request, even one still waiting in the broker."""
     return f"{_name_part(prefix, 'prefix')}:cancel:{_name_part(identifier, 'identifier')}"
+
+
+def attempt_key(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The counter of a request's deliveries, which numbers the `attempt` of its events."""
+    return f"{_name_part(prefix, 'prefix')}:attempt:{_name_part(identifier, 'identifier')}"
+
+
+def lease_key(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The key a worker holds (SET NX, refreshed) while it generates a request: proof the request is alive."""
+    return f"{_name_part(prefix, 'prefix')}:running:{_name_part(identifier, 'identifier')}"
 
 
 def control_channel(prefix: str = DEFAULT_KEY_PREFIX) -> str:

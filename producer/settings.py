@@ -8,25 +8,63 @@ worker.settings: producers run without the worker's dependencies.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field
+import redis
+import redis.asyncio
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer.protocol import DEFAULT_KEY_PREFIX, DEFAULT_QUEUE, PRIORITY_STEPS
+from producer.redis_connect import celery_transport_options, connect, connect_async, is_sentinel_url, parse_sentinel_url
+from producer.routing import MAX_PREFIX_ROUTES, prefix_route, route_queue
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 class ClientSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GENQ_", extra="ignore")
+    """The names every genq process shares (worker, gateway, callback worker,
+    client): each reads them from the same GENQ_* variables whatever its own
+    prefix, so one environment configures them all alike."""
 
-    redis_url: str = Field(DEFAULT_REDIS_URL, description="streams and cancellation; broker and results by default")
-    broker_url: str | None = Field(None, description="overrides redis_url for the Celery broker")
-    result_backend: str | None = Field(None, description="overrides redis_url for Celery results")
-    queue: str = Field(DEFAULT_QUEUE, min_length=1, description="the queue of the model to use")
-    key_prefix: str = Field(DEFAULT_KEY_PREFIX, description="prefix of every channel / stream / cancel key")
-    visibility_timeout_s: int = Field(3600, ge=1, description="must match the workers' (Redis transport option)")
+    model_config = SettingsConfigDict(env_prefix="GENQ_", extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias="GENQ_REDIS_URL",
+                           description="streams and cancellation; broker and results by default")
+    broker_url: str | None = Field(None, validation_alias="GENQ_BROKER_URL",
+                                   description="overrides redis_url for the Celery broker")
+    result_backend: str | None = Field(None, validation_alias="GENQ_RESULT_BACKEND",
+                                       description="overrides redis_url for Celery results")
+    queue: str = Field(DEFAULT_QUEUE, min_length=1, validation_alias="GENQ_QUEUE",
+                       description="the queue of the model to use")
+    key_prefix: str = Field(DEFAULT_KEY_PREFIX, validation_alias="GENQ_KEY_PREFIX",
+                            description="prefix of every channel / stream / cancel key")
+    visibility_timeout_s: int = Field(3600, ge=1, validation_alias="GENQ_VISIBILITY_TIMEOUT_S",
+                                      description="must match the workers' (Redis transport option)")
+    sentinel_master: str | None = Field(None, validation_alias="GENQ_SENTINEL_MASTER",
+                                        description="the master's name, for sentinel:// URLs")
+    watchdog_after_s: float | None = Field(
+        None, gt=0, validation_alias="GENQ_WATCHDOG_AFTER_S",
+        description="clients resend a request silent this long (producer/watchdog.py); off when unset")
+    prefix_routes: int = Field(0, ge=0, le=MAX_PREFIX_ROUTES, validation_alias="GENQ_PREFIX_ROUTES",
+                               description="opt-in prefix-aware routing over this many queues (producer/routing.py)")
+    prefix_route_chars: int = Field(256, ge=1, validation_alias="GENQ_PREFIX_ROUTE_CHARS",
+                                    description="characters of a request's start that choose its route")
+
+    @model_validator(mode="after")
+    def _sentinel_urls_are_usable(self) -> ClientSettings:
+        for name, url in (("GENQ_REDIS_URL", self.redis_url), ("GENQ_BROKER_URL", self.broker_url),
+                          ("GENQ_RESULT_BACKEND", self.result_backend)):
+            if url is None or not is_sentinel_url(url):
+                continue
+            try:
+                parse_sentinel_url(url)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+            if not self.sentinel_master:
+                raise ValueError(f"{name} is a Sentinel URL: set GENQ_SENTINEL_MASTER to the master's name")
+        return self
 
     @property
     def broker(self) -> str:
@@ -36,12 +74,27 @@ class ClientSettings(BaseSettings):
     def backend(self) -> str:
         return self.result_backend or self.redis_url
 
+    def queue_for(self, kwargs: Mapping[str, Any]) -> str:
+        """The queue a request goes to: the shared one, or its prefix route's when routing is on."""
+        if not self.prefix_routes:
+            return self.queue
+        return route_queue(self.queue, prefix_route(kwargs, self.prefix_routes, self.prefix_route_chars))
 
-def celery_base_config(visibility_timeout_s: int) -> dict[str, Any]:
+    def redis(self, url: str | None = None, **options: Any) -> redis.Redis:
+        """A client for redis_url (or `url`), plain or through Sentinel."""
+        return connect(url or self.redis_url, self.sentinel_master, **options)
+
+    def redis_async(self, url: str | None = None, **options: Any) -> redis.asyncio.Redis:
+        return connect_async(url or self.redis_url, self.sentinel_master, **options)
+
+
+def celery_base_config(settings: ClientSettings) -> dict[str, Any]:
     """What every genq Celery app (client, GPU worker, callback worker) shares:
     JSON only, and the same Redis transport options — one visibility timeout,
-    ten priority levels served lowest number first — so a task lands where its
-    consumers look and is redelivered on the same schedule everywhere."""
+    ten priority levels served lowest number first, the Sentinel master's name
+    where the URLs are Sentinel ones — so a task lands where its consumers look
+    and is redelivered on the same schedule everywhere."""
+    visibility_timeout_s = settings.visibility_timeout_s
     return {
         "task_serializer": "json",
         "result_serializer": "json",
@@ -51,7 +104,11 @@ def celery_base_config(visibility_timeout_s: int) -> dict[str, Any]:
             "visibility_timeout": visibility_timeout_s,
             "priority_steps": PRIORITY_STEPS,
             "queue_order_strategy": "priority",
+            **celery_transport_options(settings.broker, settings.sentinel_master),
         },
-        "result_backend_transport_options": {"visibility_timeout": visibility_timeout_s},
+        "result_backend_transport_options": {
+            "visibility_timeout": visibility_timeout_s,
+            **celery_transport_options(settings.backend, settings.sentinel_master),
+        },
         "broker_connection_retry_on_startup": True,
     }

@@ -77,8 +77,11 @@ def verify(secret: str, body: bytes, timestamp: str | None, signature: str | Non
     return digest.lower()
 
 
-def task_access_token(secret: str, identifier: str) -> str:
+def task_access_token(secret: str, identifier: str, nonce: str) -> str:
     """A read/cancel capability for one task, handed to the webhook sender in its 202 answer, so
     that a deployment authenticated by signatures alone can still follow its tasks (and a browser
-    EventSource, which cannot set headers, can pass it in the URL)."""
-    return hmac.new(secret.encode(), f"genq-task-access:{identifier}".encode(), hashlib.sha256).hexdigest()
+    EventSource, which cannot set headers, can pass it in the URL). `nonce` is the random value
+    the gateway chose when it accepted the task: without it the token cannot be derived from the
+    (caller-chosen) identifier, so a later request reusing the id learns nothing."""
+    message = f"genq-task-access:{identifier}:{nonce}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()

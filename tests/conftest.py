@@ -1,19 +1,22 @@
-"""Shared fixtures: tiny random-weight model directories, a private redis-server."""
+"""Shared fixtures: tiny random-weight model directories, a private redis-server.
+
+The process helpers live in worker.processes (one copy for `genq dev`, the
+tests and bench/)."""
 
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 import torch
+from celery import Celery
 
-from engine.tiny_model import make_tiny_model
+from engine.tiny_model import PRESETS, SPECIAL_TOKENS, make_tiny_model, write_tokenizer_files
+from tests.service import plain_client
+from worker.processes import RedisServer
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -34,53 +37,74 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     return make
 
 
+# Small shapes for checkpoints that transformers itself initialises (the families the
+# project's tiny model maker does not write). initializer_range is raised from 0.02
+# so attention is peaked and greedy argmax has clear margins, as in a trained model.
+HF_SMALL = {
+    **PRESETS["test"],
+    "initializer_range": 0.2,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": SPECIAL_TOKENS.index("<|pad|>"),
+}
+
+
+def make_hf_model(out: Path, config_class: str, **config: object) -> Path:
+    """A model dir whose random weights transformers initialised (fp32, seeded)
+    and saved with save_pretrained, plus the tiny model maker's tokenizer files."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = getattr(transformers, config_class)(**{**HF_SMALL, **config})
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.save_pretrained(out)
+    write_tokenizer_files(out, hf_config.vocab_size, "llama", hf_config.max_position_embeddings)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """make(config_class, **config) -> make_hf_model's dir; identical requests share one directory."""
+    made: dict[str, Path] = {}
+
+    def make(config_class: str, **config: object) -> Path:
+        key = repr((config_class, sorted(config.items())))
+        if key not in made:
+            made[key] = make_hf_model(tmp_path_factory.mktemp(f"hf-{config_class}"), config_class, **config)
+        return made[key]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("llama")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real model (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched once into GENQ_MODELS_DIR or .models/."""
+    from engine.real_model import fetch_smollm2
 
-
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
-    """Poll a condition that has no event to wait on (a process coming up)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return fetch_smollm2()
 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private redis-server owned by the test session, on a free port."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    """A private redis-server owned by the test session, on a free port, with
+    append-only persistence as deployed."""
+    if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed (.ci/run installs it with apt)")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    client = redis.Redis(port=port)
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
 
-    def ping() -> bool:
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
 
-    try:
-        wait_until(ping, 20, "redis-server to answer PING")
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.terminate()
-        process.wait(10)
+@pytest.fixture(scope="session")
+def client(redis_url: str) -> Celery:
+    """A Celery client that knows nothing of genq, on the session's Redis."""
+    return plain_client(redis_url)
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)

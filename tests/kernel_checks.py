@@ -48,6 +48,13 @@ def check_rms_norm() -> None:
             want, want_res = ref.rms_norm(x, w, 1e-6, r)
             close(f"rms_norm+residual {dtype} {shape}", got, want, dtype)
             close(f"rms_norm residual-out {dtype} {shape}", got_res, want_res, dtype)
+            # Gemma's (1 + weight) in fp32, with and without the residual
+            close(f"rms_norm unit_offset {dtype} {shape}", tk.rms_norm(x, w - 1, 1e-6, None, True)[0],
+                  ref.rms_norm(x, w - 1, 1e-6, None, True)[0], dtype)
+            got, got_res = tk.rms_norm(x, w - 1, 1e-6, r, True)
+            want, want_res = ref.rms_norm(x, w - 1, 1e-6, r, True)
+            close(f"rms_norm unit_offset+residual {dtype} {shape}", got, want, dtype)
+            close(f"rms_norm unit_offset residual-out {dtype} {shape}", got_res, want_res, dtype)
         # a strided input: the q slice of a fused qkv projection, as the engine's q_norm sees it
         qkv = torch.randn(3, 2 * 64 + 64, generator=g).to(dtype)
         q = qkv[:, :128].reshape(3, 2, 64)
@@ -63,22 +70,34 @@ def check_silu_and_mul() -> None:
             close(f"silu_and_mul {dtype} {shape}", tk.silu_and_mul(x), ref.silu_and_mul(x), dtype)
 
 
+def check_gelu_tanh_and_mul() -> None:
+    g = torch.Generator().manual_seed(4)
+    for dtype in DTYPES:
+        for shape in ((4, 2 * 96), (2, 3, 2 * 64), (1, 2 * 1500)):
+            x = (3 * torch.randn(shape, generator=g)).to(dtype)
+            close(f"gelu_tanh_and_mul {dtype} {shape}", tk.gelu_tanh_and_mul(x), ref.gelu_tanh_and_mul(x), dtype)
+
+
 def check_apply_rope() -> None:
     g = torch.Generator().manual_seed(2)
     for dtype in DTYPES:
-        for tokens, hq, hkv, d in ((5, 4, 1, 64), (3, 8, 8, 128), (2, 6, 2, 32)):
+        # the last two rotate part of each head only (partial rotary: 48 of 64, 24 of 32 dims)
+        for tokens, hq, hkv, d, rotary in ((5, 4, 1, 64, 64), (3, 8, 8, 128, 128), (2, 6, 2, 32, 32), (4, 4, 2, 64, 48),
+                                           (3, 2, 1, 32, 24)):
             q = torch.randn(tokens, hq, d, generator=g).to(dtype)
             k = torch.randn(tokens, hkv, d, generator=g).to(dtype)
             pos = torch.arange(tokens).float() * 37
-            inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+            inv = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary)
             freqs = torch.outer(pos, inv)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
             q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
             assert tk.apply_rope(q1, k1, cos, sin) is None
             ref.apply_rope(q2, k2, cos, sin)
-            close(f"apply_rope q {dtype} {(tokens, hq, hkv, d)}", q1, q2, dtype)
-            close(f"apply_rope k {dtype} {(tokens, hq, hkv, d)}", k1, k2, dtype)
+            close(f"apply_rope q {dtype} {(tokens, hq, hkv, d, rotary)}", q1, q2, dtype)
+            close(f"apply_rope k {dtype} {(tokens, hq, hkv, d, rotary)}", k1, k2, dtype)
+            if rotary < d:
+                assert torch.equal(q1[..., rotary:], q[..., rotary:]), "partial rotary changed the pass-through dims"
 
 
 def check_write_kv() -> None:
@@ -114,6 +133,7 @@ def _attention_case(
     dtype: torch.dtype,
     seed: int,
     window: int | None = None,
+    softcap: float | None = None,
     **tiling: int,
 ) -> None:
     g = torch.Generator().manual_seed(seed)
@@ -128,11 +148,11 @@ def _attention_case(
     q = torch.randn(int(cu[-1]), hkv * group, d, generator=g).to(dtype)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32)
     scale = d**-0.5
-    want = ref.paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window)
-    got = tk._paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, **tiling)
+    want = ref.paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, softcap)
+    got = tk._paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, softcap, **tiling)
     close(
         f"paged_attention q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} page={page_size} "
-        f"window={window} {tiling} {dtype}",
+        f"window={window} softcap={softcap} {tiling} {dtype}",
         got, want, dtype,
     )
 
@@ -146,6 +166,11 @@ def check_attention_decode() -> None:
         _attention_case([1, 1, 1], [5, 8, 9], hkv=2, group=1, d=64, page_size=4, dtype=dtype, seed=12, num_splits=1)
     _attention_case([1, 1], [2, 40], hkv=2, group=4, d=128, page_size=16, dtype=torch.float32, seed=13)
     _attention_case([1, 1], [3, 40], hkv=1, group=4, d=64, page_size=8, dtype=torch.float32, seed=14, window=7)
+    # Gemma 2: soft-capped scores (a cap small enough to bend them), with and without a window, split and not
+    for dtype in DTYPES:
+        _attention_case([1, 1, 1], [5, 17, 40], hkv=2, group=2, d=64, page_size=8, dtype=dtype, seed=15, softcap=1.5)
+    _attention_case([1, 1], [9, 33], hkv=1, group=4, d=64, page_size=8, dtype=torch.float32, seed=16, window=6,
+                    softcap=2.0, num_splits=1)
 
 
 def check_attention_prefill() -> None:
@@ -162,6 +187,11 @@ def check_attention_prefill() -> None:
     _attention_case([12, 1], [30, 19], hkv=2, group=4, d=64, page_size=4, dtype=torch.bfloat16, seed=25, window=6)
     # a GQA ratio that is not a power of two, and a page size that is not one either
     _attention_case([4, 1], [11, 7], hkv=2, group=3, d=64, page_size=6, dtype=torch.float32, seed=26)
+    # soft-capping on a mixed batch, alone and with a window (Gemma 2's sliding layers)
+    for dtype in DTYPES:
+        _attention_case([7, 1, 3], [7, 20, 26], hkv=2, group=2, d=64, page_size=8, dtype=dtype, seed=27, softcap=1.5)
+    _attention_case([12, 1], [30, 19], hkv=2, group=4, d=64, page_size=4, dtype=torch.float32, seed=28, window=6,
+                    softcap=2.0)
 
 
 def _greedy_run(model_dir: str, forced: bool) -> dict[str, list[int]]:
@@ -195,15 +225,21 @@ def _greedy_run(model_dir: str, forced: bool) -> dict[str, list[int]]:
 
 
 def check_engine() -> None:
-    """The whole engine's greedy tokens, Triton (interpreter) vs the torch reference."""
+    """The whole engine's greedy tokens, Triton (interpreter) vs the torch reference:
+    llama and qwen3 (tiny model maker), and Gemma 2 (transformers-initialised:
+    soft-capped attention, sliding and global layers, (1 + weight) norms, gelu-tanh)."""
     import tempfile
+    from pathlib import Path
 
     import kernels
     from engine.tiny_model import make_tiny_model
+    from tests.conftest import make_hf_model
+    from tests.test_engine_vs_transformers import VARIANTS
 
+    gemma2 = next(v for v in VARIANTS if v.name == "gemma2")
     calls: dict[str, int] = {}
     shapes: set[str] = set()  # kinds of attention batch seen: decode-only, prefill-only, mixed
-    for name in ("rms_norm", "apply_rope", "silu_and_mul", "write_kv", "paged_attention"):
+    for name in ("rms_norm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "write_kv", "paged_attention"):
         original = getattr(tk, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
@@ -216,12 +252,16 @@ def check_engine() -> None:
         setattr(tk, name, counted)
     kernels._triton = tk
     with tempfile.TemporaryDirectory() as tmp:
-        for family in ("llama", "qwen3"):
-            model_dir = str(make_tiny_model(os.path.join(tmp, family), family=family))
+        for family in ("llama", "qwen3", "gemma2"):
+            if family == "gemma2":
+                model_dir = str(make_hf_model(Path(tmp, family), gemma2.config_class, **gemma2.overrides))
+            else:
+                model_dir = str(make_tiny_model(os.path.join(tmp, family), family=family))
             want = _greedy_run(model_dir, forced=False)
             assert not calls, f"the reference run reached Triton: {calls}"
             got = _greedy_run(model_dir, forced=True)
-            assert set(calls) == {"rms_norm", "apply_rope", "silu_and_mul", "write_kv", "paged_attention"}, calls
+            activation = "gelu_tanh_and_mul" if family == "gemma2" else "silu_and_mul"
+            assert set(calls) == {"rms_norm", "apply_rope", activation, "write_kv", "paged_attention"}, calls
             print(f"engine {family}: {want} kernel calls {calls}")
             assert got == want, f"{family}: triton {got} != reference {want}"
             assert shapes == {"mixed", "decode", "prefill"}, shapes
@@ -232,6 +272,7 @@ def check_engine() -> None:
 GROUPS = {
     "rms_norm": check_rms_norm,
     "silu_and_mul": check_silu_and_mul,
+    "gelu_tanh_and_mul": check_gelu_tanh_and_mul,
     "apply_rope": check_apply_rope,
     "write_kv": check_write_kv,
     "attention_decode": check_attention_decode,

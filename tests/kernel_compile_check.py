@@ -33,12 +33,15 @@ def compile_one(name: str, fn, signature: dict[str, str], constexprs: dict[str, 
 
 def check(dt: str) -> None:
     p = "*" + dt
-    compile_one(f"rms_norm {dt}", tk._rms_norm_kernel, {
-        "x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "res_out_ptr": p, "stride_x": "i32", "stride_res": "i32",
-        "stride_out": "i32", "stride_res_out": "i32", "n_cols": "i32", "eps": "fp32"},
-        {"HAS_RESIDUAL": True, "BLOCK": 4096})
-    compile_one(f"silu_and_mul {dt}", tk._silu_and_mul_kernel, {
-        "x_ptr": p, "out_ptr": p, "stride_x": "i32", "stride_out": "i32", "n_cols": "i32"}, {"BLOCK": 1024})
+    for unit_offset in (False, True):
+        compile_one(f"rms_norm {dt} unit_offset={unit_offset}", tk._rms_norm_kernel, {
+            "x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "res_out_ptr": p, "stride_x": "i32",
+            "stride_res": "i32", "stride_out": "i32", "stride_res_out": "i32", "n_cols": "i32", "eps": "fp32"},
+            {"HAS_RESIDUAL": True, "UNIT_OFFSET": unit_offset, "BLOCK": 4096})
+    for gelu in (False, True):
+        compile_one(f"{'gelu_tanh' if gelu else 'silu'}_and_mul {dt}", tk._act_and_mul_kernel, {
+            "x_ptr": p, "out_ptr": p, "stride_x": "i32", "stride_out": "i32", "n_cols": "i32"},
+            {"GELU_TANH": gelu, "BLOCK": 1024})
     compile_one(f"apply_rope {dt}", tk._rope_kernel, {
         "x_ptr": p, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_xt": "i32", "stride_xh": "i32", "stride_ct": "i32",
         "stride_st": "i32", "num_heads": "i32", "half": "i32"}, {"BLOCK_H": 32, "BLOCK_HALF": 64})
@@ -47,16 +50,19 @@ def check(dt: str) -> None:
         "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32", "stride_kc_h": "i64", "stride_kc_s": "i32",
         "stride_vc_h": "i64", "stride_vc_s": "i32", "head_dim": "i32"}, {"BLOCK_D": 128})
     names = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "page_table_ptr",
-             "cu_q_ptr", "ctx_ptr", "scale", "num_seqs", "num_query_heads", "head_dim", "sliding_window",
+             "cu_q_ptr", "ctx_ptr", "scale", "num_seqs", "num_query_heads", "head_dim", "sliding_window", "softcap",
              "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kc_h", "stride_kc_p", "stride_kc_s",
              "stride_vc_h", "stride_vc_p", "stride_vc_s", "stride_pt", "page_size"]
-    types = [p, p, p, p, "*fp32", "*fp32", "*i32", "*i32", "*i32", "fp32"] + ["i32"] * 16
-    for decode, splits, window, group in ((True, 8, False, 4), (False, 1, True, 8), (False, 2, False, 1)):
+    types = [p, p, p, p, "*fp32", "*fp32", "*i32", "*i32", "*i32", "fp32"] + ["i32"] * 4 + ["fp32"] + ["i32"] * 12
+    for decode, splits, window, group, softcap in (
+        (True, 8, False, 4, True), (False, 1, True, 8, True), (False, 2, False, 1, False)
+    ):
         block_m = 16 if decode else 64
         consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=1 if decode else block_m // group, BLOCK_M=block_m,
                       BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=splits, DECODE_ONLY=decode, HAS_WINDOW=window,
-                      IEEE=dt == "fp32")
-        compile_one(f"paged_attention {dt} decode_only={decode} splits={splits} window={window} G={group}",
+                      SOFTCAP=softcap, IEEE=dt == "fp32")
+        compile_one(f"paged_attention {dt} decode_only={decode} splits={splits} window={window} G={group} "
+                    f"softcap={softcap}",
                     tk._paged_attention_kernel, dict(zip(names, types)), consts)
     compile_one(f"merge_splits {dt}", tk._merge_splits_kernel, {
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": p, "num_query_heads": "i32", "head_dim": "i32",

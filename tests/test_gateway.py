@@ -2,21 +2,15 @@
 gateway under uvicorn (`genq gateway`), a real callback worker (`genq callback-worker`), and
 clients that know nothing of genq: the official openai package, raw HTTP with SSE."""
 
+# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
+
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -28,188 +22,26 @@ from fastapi.testclient import TestClient
 from producer.callbacks import DELIVERY_HEADER
 from producer.client import GenqClient
 from producer.gateway import GatewaySettings, create_app
-from producer.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, sign, signed_headers, verify
-from tests.conftest import free_port, wait_until
-from tests.service import ROOT, WorkerProcess, plain_client
-
-QUEUE = "genq-gateway"
-CALLBACK_QUEUE = "genq-gateway-callbacks"
-TOKEN = "test-token"
-SECRET = "test-webhook-secret"
-MODEL = "genq"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
-    return tiny_model_factory("llama", max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
-def celery_client(redis_url: str) -> Celery:
-    return plain_client(redis_url)
-
-
-@pytest.fixture(scope="module")
-def worker(model_dir: Path, redis_url: str, celery_client: Celery,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(model_dir, redis_url, QUEUE, "gateway-worker",
-                            tmp_path_factory.mktemp("gw-worker") / "worker.log",
-                            {"cache_tokens": 16384, "page_size": 16, "concurrency": 16}).start()
-    try:
-        process.wait_ready(celery_client)
-        yield process
-    finally:
-        process.stop()
-
-
-def _service_env(redis_url: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "GENQ_REDIS_URL": redis_url, "GENQ_QUEUE": QUEUE,
-            "GENQ_WEBHOOK_SECRET": SECRET, "GENQ_CALLBACK_QUEUE": CALLBACK_QUEUE}
-
-
-@pytest.fixture(scope="module")
-def callback_worker(redis_url: str, celery_client: Celery,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
-    log = (tmp_path_factory.mktemp("callbacks") / "callbacks.log").open("wb")
-    env = {**_service_env(redis_url), "GENQ_CALLBACK_BACKOFF_S": "1", "GENQ_CALLBACK_MAX_RETRIES": "4"}
-    process = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "INFO", "callback-worker"],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    node = f"genq-callbacks@{socket.gethostname()}"  # the name the compose healthcheck pings
-    try:
-        wait_until(lambda: celery_client.control.ping(destination=[node], timeout=0.5), 60,
-                   "the callback worker to answer ping")
-        yield process
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
-
-
-@pytest.fixture(scope="module")
-def gateway(worker: WorkerProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`genq gateway` in a subprocess; yields its base URL."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    log = log_path.open("wb")
-    env = {**_service_env(redis_url), "GENQ_GATEWAY_TOKEN": TOKEN, "GENQ_GATEWAY_MODEL_NAME": MODEL}
-    process = subprocess.Popen([sys.executable, "-m", "worker.cli", "gateway", "--port", str(port)],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(healthy, 30, "the gateway to answer /healthz")
-        yield base
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
-
-
-@pytest.fixture(scope="module")
-def genq(redis_url: str) -> Iterator[GenqClient]:
-    with GenqClient(redis_url, queue=QUEUE) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=TOKEN, max_retries=0, timeout=120)
-
-
-# --- helpers --------------------------------------------------------------------------
-
-
-@dataclass
-class Sse:
-    id: str | None
-    event: str | None
-    data: str
-
-
-def read_sse(response: httpx.Response, limit: int | None = None) -> list[Sse]:
-    """SSE messages of a streamed response, up to `limit` of them (comments skipped)."""
-    messages: list[Sse] = []
-    fields: dict[str, str] = {}
-    for line in response.iter_lines():
-        if line.startswith(":"):
-            continue
-        if line:
-            name, _, value = line.partition(":")
-            fields[name] = value.removeprefix(" ")
-            continue
-        if "data" in fields:
-            messages.append(Sse(fields.get("id"), fields.get("event"), fields["data"]))
-            if limit is not None and len(messages) >= limit:
-                break
-        fields = {}
-    return messages
-
-
-def signed_post(base: str, body: dict[str, Any], *, timestamp: int | None = None,
-                secret: str = SECRET) -> tuple[httpx.Response, bytes, dict[str, str]]:
-    raw = json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **signed_headers(secret, raw, timestamp)}
-    return httpx.post(f"{base}/v1/tasks", content=raw, headers=headers, timeout=30), raw, headers
-
-
-def bearer(token: str = TOKEN) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-@dataclass
-class Receiver:
-    """A local webhook receiver that fails the first `failures` calls of each path with a 500."""
-
-    failures: int
-    calls: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
-    lock: threading.Condition = field(default_factory=threading.Condition)
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                with receiver.lock:
-                    receiver.calls.append((self.path, dict(self.headers), body))
-                    tries = sum(path == self.path for path, _, _ in receiver.calls)
-                    receiver.lock.notify_all()
-                self.send_response(500 if tries <= receiver.failures else 200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        return Handler
-
-    def wait(self, path: str, calls: int, timeout: float = 60) -> list[tuple[dict[str, str], bytes]]:
-        with self.lock:
-            done = self.lock.wait_for(lambda: sum(p == path for p, _, _ in self.calls) >= calls, timeout)
-            assert done, f"{path}: {sum(p == path for p, _, _ in self.calls)} calls, expected {calls}"
-            return [(headers, body) for p, headers, body in self.calls if p == path]
-
-
-@pytest.fixture
-def receiver() -> Iterator[tuple[Receiver, str]]:
-    state = Receiver(failures=2)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), state.handler())
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
+from producer.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, sign, verify
+from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
+    MODEL,
+    SECRET,
+    TOKEN,
+    Receiver,
+    bearer,
+    callback_worker,
+    celery_client,
+    gateway,
+    gateway_process,
+    genq,
+    model_dir,
+    oai,
+    read_sse,
+    receiver,
+    signed_post,
+    worker,
+)
+from worker.processes import WorkerProcess, wait_until
 
 # --- signatures (no server) -------------------------------------------------------------
 

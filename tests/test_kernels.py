@@ -34,7 +34,9 @@ def run_python(args: list[str], env_extra: dict[str, str], timeout: float = 300)
 
 
 @pytest.mark.parametrize(
-    "group", ["rms_norm", "silu_and_mul", "apply_rope", "write_kv", "attention_decode", "attention_prefill"]
+    "group",
+    ["rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "apply_rope", "write_kv", "attention_decode",
+     "attention_prefill"],
 )
 def test_triton_kernel_matches_reference_in_interpreter(group: str):
     out = run_python([str(CHECKS), group], {"TRITON_INTERPRET": "1"})
@@ -42,10 +44,10 @@ def test_triton_kernel_matches_reference_in_interpreter(group: str):
 
 
 def test_engine_greedy_output_identical_with_triton_forced():
-    """llama and qwen3 tiny models; a batch with prefill chunks, decodes, mixed
-    steps and a prefix-cache hit (kernel_checks.check_engine asserts each)."""
+    """llama and qwen3 tiny models and a Gemma 2 one; a batch with prefill chunks,
+    decodes, mixed steps and a prefix-cache hit (kernel_checks.check_engine asserts each)."""
     out = run_python([str(CHECKS), "engine"], {"TRITON_INTERPRET": "1"})
-    assert out.count("engine ") == 2
+    assert out.count("engine ") == 3
 
 
 def test_cpu_tensors_take_the_reference_path_without_importing_triton():
@@ -95,4 +97,4 @@ def test_triton_kernels_compile_for_an_sm90_gpu_without_one():
     """The interpreter runs kernels as numpy; this catches what only Triton's
     compiler rejects, by compiling every kernel (bf16) to an H100 cubin."""
     out = run_python([str(ROOT / "tests" / "kernel_compile_check.py"), "bf16"], {})
-    assert out.count("compiled for sm_90") == 8
+    assert out.count("compiled for sm_90") == 10

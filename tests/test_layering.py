@@ -49,7 +49,7 @@ def test_transformers_does_not_mistake_our_kernels_package_for_its_own():
     must not try to use ours."""
     code = (
         "import kernels, transformers.utils.import_utils as u; "
-        "assert kernels.__file__.startswith(%r); assert not u.is_kernels_available()" % str(ROOT)
+        f"assert kernels.__file__.startswith({str(ROOT)!r}); assert not u.is_kernels_available()"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -67,10 +67,10 @@ def test_producer_runs_where_torch_is_not_installed(tmp_path: Path):
         if not entry.name.lower().startswith(TORCH_PACKAGES):
             (lean / entry.name).symlink_to(entry)
     code = (
-        "import sys; sys.path[:0] = [%r, %r]\n"
+        f"import sys; sys.path[:0] = [{str(lean)!r}, {str(ROOT)!r}]\n"
         "import importlib.util; assert importlib.util.find_spec('torch') is None, 'torch is visible'\n"
         "import producer.client, producer.cli, producer.gateway, producer.callbacks\n"
         "import worker.cli; worker.cli.build_parser().parse_args(['submit', 'hello', '--stream'])\n"
         "assert 'torch' not in sys.modules\n"
-    ) % (str(lean), str(ROOT))
+    )
     subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=tmp_path, check=True)

@@ -98,3 +98,108 @@ def test_missing_shard_and_missing_tensor_are_named(tmp_path: Path):
     (deep / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"lacks \d+ tensors: model.layers.2"):
         load_model(deep)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "Gemma3ForConditionalGeneration"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_type='mrope'"),
+        ({"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config.*'awq'"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "factor=None"),
+    ],
+    ids=["architecture", "rope-type", "activation", "partial-rotary", "quantization", "yarn-without-factor"],
+)
+def test_unsupported_config_fails_at_load_naming_field_and_value(
+    llama_dir: Path, tmp_path: Path, changes: dict, message: str
+):
+    path = copy_model(llama_dir, tmp_path / "bad")
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message):
+        Generator.from_pretrained(path)
+
+
+def test_gemma_activation_and_bidirectional_attention_are_refused():
+    gemma = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": 8}
+    assert ModelConfig.from_dict(gemma).hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(UnsupportedArchitectureError, match="hidden_activation='relu'"):
+        ModelConfig.from_dict({**gemma, "hidden_activation": "relu"})
+    with pytest.raises(UnsupportedArchitectureError, match="use_bidirectional_attention=true"):
+        ModelConfig.from_dict({**gemma, "use_bidirectional_attention": True})
+
+
+def _classic(config_class: str, **kwargs: object) -> tuple[dict, object]:
+    """A config.json in the pre-transformers-5 spelling, and transformers' reading of it."""
+    import transformers
+
+    hf = getattr(transformers, config_class)(**kwargs)
+    raw = {"architectures": [config_class.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")],
+           **kwargs}
+    return raw, hf
+
+
+@pytest.mark.parametrize(
+    ("config_class", "kwargs"),
+    [
+        ("Gemma2Config", {"num_hidden_layers": 5, "sliding_window": 16}),
+        ("Gemma3TextConfig", {"num_hidden_layers": 7, "sliding_window": 16, "sliding_window_pattern": 3}),
+        ("Gemma3TextConfig", {"num_hidden_layers": 13, "sliding_window": 16}),
+    ],
+)
+def test_sliding_and_global_layers_follow_transformers(config_class: str, kwargs: dict):
+    """Without layer_types, each family's own alternation rule decides which layers slide."""
+    raw, hf = _classic(config_class, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       **kwargs)
+    config = ModelConfig.from_dict(raw)
+    expected = tuple(16 if t == "sliding_attention" else None for t in hf.layer_types)
+    assert tuple(config.layer_window(i) for i in range(config.num_layers)) == expected
+    assert None in expected and 16 in expected
+    assert config.sliding_window is None  # not every layer slides, so no page may be dropped model-wide
+
+
+def test_gemma3_classic_and_nested_rope_spellings_agree():
+    """rope_theta / rope_local_base_freq / rope_scaling (classic) and transformers 5's
+    rope_parameters nested by layer type give the same global and local RoPE."""
+    import transformers
+
+    kwargs = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "head_dim": 16, "max_position_embeddings": 8192}
+    classic = {"architectures": ["Gemma3ForCausalLM"], **kwargs, "rope_theta": 500000.0,
+               "rope_local_base_freq": 20000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    nested = transformers.Gemma3TextConfig(**{k: v for k, v in classic.items() if k != "architectures"}).to_dict()
+    assert "rope_parameters" in nested and "rope_scaling" not in nested
+    nested["architectures"] = ["Gemma3ForCausalLM"]
+    a, b = ModelConfig.from_dict(classic), ModelConfig.from_dict(nested)
+    assert a.rope == b.rope and a.sliding_rope == b.sliding_rope
+    assert (a.rope.theta, a.rope.rope_type, a.rope.factor) == (500000.0, "linear", 8.0)
+    assert (a.sliding_rope.theta, a.sliding_rope.rope_type) == (20000.0, "default")
+
+
+def test_moe_layers_follow_transformers():
+    """Qwen3-MoE's decoder_sparse_step and mlp_only_layers pick the sparse layers
+    exactly as transformers builds them; Mixtral's are all sparse."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    kwargs = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
+              "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+              "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    hf = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**kwargs))
+    config = ModelConfig.from_dict({"architectures": ["Qwen3MoeForCausalLM"], **kwargs})
+    expected = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
+    assert [config.layer_is_moe(i) for i in range(6)] == expected == [False, True, False, False, False, True]
+
+
+def test_missing_expert_tensor_is_named(hf_model_factory: Callable[..., Path], tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_model(hf_model_factory("MixtralConfig", num_local_experts=4, num_experts_per_tok=2), tmp_path / "moe")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"lacks 1 tensors: model.layers.1.block_sparse_moe.experts.3.w3.weight"):
+        load_model(path)

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from producer.protocol import stream_key
-from tests.conftest import free_port, wait_until
-from tests.service import ROOT, WorkerProcess, plain_client
+from tests.service import plain_client
+from worker.processes import ROOT, WorkerProcess, free_port, wait_until
 
 QUEUE = "genq-cli"
 

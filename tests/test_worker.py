@@ -21,8 +21,8 @@ from celery import Celery
 from engine import Generator, Job
 from producer.control import request_cancel
 from producer.protocol import TASK_NAME, StreamEvent, channel_name, stream_key
-from tests.conftest import free_port, wait_until
-from tests.service import ROOT, WorkerProcess, chunk_text, next_event, plain_client, replay
+from tests.service import chunk_text, next_event, replay
+from worker.processes import ROOT, WorkerProcess, free_port, wait_until
 
 QUEUE = "genq-test"
 ENGINE_OPTIONS = {"cache_tokens": 16384, "page_size": 16}
@@ -32,16 +32,6 @@ _names = itertools.count()
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("llama", max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
-def client(redis_url: str) -> Celery:
-    return plain_client(redis_url)
-
-
-@pytest.fixture(scope="module")
-def redis_client(redis_url: str) -> redis.Redis:
-    return redis.Redis.from_url(redis_url)
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +321,11 @@ def test_a_pickled_task_message_is_refused_unrun(
                                 queue=QUEUE)
     send(client, prompt="after the pickle", max_new_tokens=4, identifier="after-pickle").get(timeout=60)
     assert redis_client.llen(QUEUE) == 0
-    assert refused.state == "PENDING"
+    # Never unpickled: the failure names the content type, and only the task id is readable.
+    refused.get(timeout=30, propagate=False)
+    assert refused.state == "FAILURE" and "content_type" in str(refused.result)
     assert not redis_client.exists(stream_key("pickled"))
+    assert [e.event for e in replay(redis_client, refused.id)] == ["error"]
 
 
 def test_a_second_task_reusing_a_running_identifier_fails_clearly(worker: WorkerProcess, client: Celery,

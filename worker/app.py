@@ -15,7 +15,7 @@ from worker.settings import Settings
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings()
     app = Celery("genq", broker=settings.broker, backend=settings.backend, include=["worker.tasks"])
-    config = celery_base_config(settings.visibility_timeout_s)
+    config = celery_base_config(settings)
     # Sweep for abandoned (killed-worker) tasks often enough to honour a short visibility timeout;
     # it must exceed the longest generation, since acks_late keeps a running task unacknowledged.
     config["broker_transport_options"].update(
@@ -35,6 +35,10 @@ def create_app(settings: Settings | None = None) -> Celery:
         worker_pool="threads",
         worker_concurrency=settings.concurrency,
         worker_hijack_root_logger=False,
+        worker_consumer="worker.consumer:GuardedConsumer",
+        # Storing a result waits out a Redis restart (about 3 minutes at most) instead of failing the task.
+        result_backend_always_retry=True,
+        result_backend_max_retries=20,
     )
     app.genq_settings = settings
     bootsteps.install(app)

@@ -28,7 +28,7 @@ class EngineStep(bootsteps.StartStopStep):
         self.runtime: Runtime | None = None
 
     def start(self, parent: Any) -> None:
-        self.runtime = Runtime.start(parent.app.genq_settings)
+        self.runtime = Runtime.start(parent.app.genq_settings, parent.app.backend)
         runtime_module.install(self.runtime)
 
     def stop(self, parent: Any) -> None:

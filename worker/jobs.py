@@ -7,18 +7,36 @@ from engine import Job, SamplerSettings, Tokenizer
 from producer.protocol import GenerationRequest, ProtocolError
 
 
-def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str) -> Job:
+def build_job(
+    request: GenerationRequest, tokenizer: Tokenizer, identifier: str, vocab_size: int, max_seq_len: int
+) -> Job:
+    """The engine job for `request`. `vocab_size` is the model's: the protocol bounds token ids
+    only by int32, so stop tokens the model can never produce are refused here (the engine
+    refuses such input_ids, sampling settings refuse such banned ids and biases)."""
+    for index, token in enumerate(request.stop_token_ids):
+        if token >= vocab_size:
+            raise ProtocolError([f"stop_token_ids[{index}]: token id {token} is outside the vocabulary "
+                                 f"[0, {vocab_size})"])
     if request.prompt is not None:
+        field = "prompt"
         add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
         input_ids = tokenizer.encode(request.prompt, add_special_tokens=add_bos)
         if not input_ids:
             raise ProtocolError(["prompt: encodes to no tokens"])
     elif request.messages is not None:
+        field = "messages"
         if tokenizer.chat_template is None:
             raise ProtocolError(["messages: this model has no chat template; send prompt or input_ids"])
         input_ids = tokenizer.encode_chat([m.model_dump() for m in request.messages])
     else:
+        field = "input_ids"
         input_ids = list(request.input_ids or ())
+    total = len(input_ids) + request.max_new_tokens
+    if total > max_seq_len:
+        # Checked here, not only in the engine, so that the message names the field the producer sent.
+        problem = (f"{field}: {len(input_ids)} tokens + max_new_tokens ({request.max_new_tokens}) = {total} "
+                   f"exceeds the model's max_seq_len={max_seq_len}")
+        raise ProtocolError([problem])
     stops: list[int | str] = [*request.stop, *request.stop_token_ids]
     if not request.ignore_eos:
         stops += tokenizer.eos_token_ids

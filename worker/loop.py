@@ -8,14 +8,16 @@ task threads whose jobs finished. Idle, it sleeps on a condition variable.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from engine import Generator, Job, JobRejected, QueueFull
+from engine import EngineOutput, FinishReason, Generator, Job, JobRejected, QueueFull, Stage
 from producer.protocol import (
     GenerationRequest,
     GenerationResult,
@@ -62,6 +64,15 @@ class Submission:
         self.seq += 1
         return event
 
+    def chunk(self, text: str, token_ids: list[int] | None) -> StreamEvent:
+        """The per-token event, built without validation: every field comes from this
+        worker (a checked identifier, its own counters, the engine's text and ids), and
+        validating it cost more than the rest of the event's path."""
+        event = StreamEvent.model_construct(id=self.identifier, seq=self.seq, attempt=self.attempt, event="chunk",
+                                            text=text, token_ids=token_ids)
+        self.seq += 1
+        return event
+
 
 @dataclass
 class LoopCounters:
@@ -77,8 +88,10 @@ class LoopCounters:
 
 
 class EngineLoop:
-    def __init__(self, generator: Generator, publisher: Publisher) -> None:
+    def __init__(self, generator: Generator, publisher: Publisher,
+                 on_finished: Callable[[Timings, Usage], None] | None = None) -> None:
         self.generator = generator
+        self.on_finished = on_finished
         self.publishing = PublishingThread(publisher)
         self.counters = LoopCounters()
         self._early_cancels: dict[str, float] = {}
@@ -112,6 +125,10 @@ class EngineLoop:
 
     def active_identifiers(self) -> list[str]:
         return list(self._active)
+
+    def lease_holders(self) -> dict[str, str]:
+        """identifier -> task id of every job generating here."""
+        return {identifier: submission.task_id for identifier, submission in list(self._active.items())}
 
     def is_running(self, identifier: str, task_id: str) -> bool:
         """Whether this very task (not just its identifier) is generating here."""
@@ -155,6 +172,8 @@ class EngineLoop:
             "prompt_tokens_cached": engine.cached_prompt_tokens,
             "prefix_hit_rate": round(engine.prefix_hit_rate, 4),
             "preemptions": engine.preemptions,
+            "drafted_tokens": engine.drafted_tokens,
+            "accepted_draft_tokens": engine.accepted_draft_tokens,
             **asdict(self.counters),
         }
 
@@ -209,19 +228,20 @@ class EngineLoop:
         self.counters.steps += 1
         generated = 0
         for result in results:
-            submission = self._active.get(result["identifier"])
+            submission = self._active.get(result.identifier)
             if submission is None:
                 continue
-            generated += len(result["token_ids"])
+            generated += len(result.token_ids)
             self._translate(submission, result, events)
-            if result["eos"]:
+            if result.eos:
                 del self._active[submission.identifier]
                 finished.append(submission)
         if generated:
             self._recent_tokens.append((time.monotonic(), generated))
             while self._recent_tokens and time.monotonic() - self._recent_tokens[0][0] > TOKENS_PER_SECOND_WINDOW_S:
                 self._recent_tokens.popleft()
-        self.publishing.submit(events, then=lambda: _wake(finished))
+        finals = {s.task_id: json.dumps(s.result.to_dict()) for s in finished if s.result is not None and s.task_id}
+        self.publishing.submit(events, then=lambda: _wake(finished), finals=finals)
 
     def _remember_early_cancels(self, cancels: set[str]) -> None:
         """A cancel can overtake its request (the task thread has not submitted it
@@ -265,44 +285,45 @@ class EngineLoop:
         events.append(submission.event("error", finish_reason="error", error=message))
         finished.append(submission)
 
-    def _translate(self, submission: Submission, result: dict[str, Any], events: list[StreamEvent]) -> None:
+    def _translate(self, submission: Submission, result: EngineOutput, events: list[StreamEvent]) -> None:
         """Engine result -> stream events; on eos, also the task's final result."""
         options = submission.request.stream
-        token_ids = result["token_ids"] if options.include_token_ids else None
-        if result["stage"] == "started":
+        token_ids = result.token_ids if options.include_token_ids else None
+        if result.stage is Stage.STARTED:
             events.append(submission.event("started"))
             return
-        if options.enabled and (result["text"] or token_ids):
-            events.append(submission.event("chunk", text=result["text"], token_ids=token_ids))
-        if not result["eos"]:
+        if options.enabled and (result.text or token_ids):
+            events.append(submission.chunk(result.text, token_ids))
+        if not result.eos:
             return
         if submission.requeue:
             self.counters.requeued += 1
             return
-        reason = result["eos_reason"]
+        reason = result.eos_reason
         if submission.expired:
             finish_reason, kind = "deadline", "done"
             self.counters.expired += 1
-        elif reason == "cancelled":
+        elif reason is FinishReason.CANCELLED:
             finish_reason, kind = "cancelled", "cancelled"
             self.counters.cancelled += 1
         else:
             finish_reason, kind = finish_reason_from_eos(reason), "done"
             self.counters.completed += 1
         usage = Usage(
-            prompt_tokens=result["prompt_tokens"],
-            completion_tokens=result["new_tokens"],
-            cached_tokens=result["cached_tokens"],
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.new_tokens,
+            cached_tokens=result.cached_tokens,
         )
-        timings = Timings(
-            queued_s=result["time_enqueued"], prefill_s=result["time_prefill"], generate_s=result["time_generate"]
-        )
-        text = result["full_completion"]
+        timings = Timings(queued_s=result.time_enqueued, prefill_s=result.time_prefill,
+                          generate_s=result.time_generate)
+        if self.on_finished is not None:
+            self.on_finished(timings, usage)
+        text = result.full_completion or ""
         events.append(
             submission.event(
                 kind,
                 text=text,
-                token_ids=result["completion_ids"] if options.include_token_ids else None,
+                token_ids=result.completion_ids if options.include_token_ids else None,
                 finish_reason=finish_reason,
                 usage=usage,
                 timings=timings,
@@ -312,7 +333,7 @@ class EngineLoop:
             id=submission.identifier,
             attempt=submission.attempt,
             text=text,
-            token_ids=result["completion_ids"],
+            token_ids=result.completion_ids or [],
             finish_reason=finish_reason,
             usage=usage,
             timings=timings,

@@ -11,11 +11,14 @@ import time
 from dataclasses import dataclass
 
 import redis
+from celery.backends.base import Backend
 
 from engine import Generator
 from producer.protocol import ControlMessage, cancel_key, control_channel
 from worker.loop import EngineLoop
+from worker.metrics import WorkerMetrics
 from worker.publisher import Publisher
+from worker.redelivery import LEASE_S, Redeliveries
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -28,9 +31,10 @@ class Runtime:
     publisher: Publisher
     loop: EngineLoop
     control: ControlListener
+    redeliveries: Redeliveries
 
     @classmethod
-    def start(cls, settings: Settings) -> Runtime:
+    def start(cls, settings: Settings, backend: Backend) -> Runtime:
         if not settings.model:
             raise ValueError("no model: pass --model DIR or set GENQ_MODEL")
         started = time.monotonic()
@@ -46,15 +50,23 @@ class Runtime:
             max_chunk_size=settings.max_chunk_size,
             max_pending=max(1024, 4 * settings.concurrency),
         )
-        client = redis.Redis.from_url(settings.redis_url)
-        publisher = Publisher(client, settings.key_prefix, settings.stream_maxlen, settings.stream_ttl_s)
-        loop = EngineLoop(generator, publisher)
+        client = settings.redis()
+        warn_without_persistence(client)
+        publisher = Publisher(client, settings.key_prefix, settings.stream_maxlen, settings.stream_ttl_s,
+                              final_ttl_s=settings.visibility_timeout_s + settings.stream_ttl_s)
+        metrics = WorkerMetrics() if settings.metrics_port else None
+        loop = EngineLoop(generator, publisher, on_finished=metrics.observe if metrics else None)
         loop.start()
-        control = ControlListener(client, settings.key_prefix, loop)
+        if metrics is not None and settings.metrics_port:
+            metrics.watch(loop.stats)
+            metrics.serve(settings.metrics_port, settings.metrics_address)
+            log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, settings.metrics_port)
+        redeliveries = Redeliveries(client, backend, settings.key_prefix)
+        control = ControlListener(client, settings.key_prefix, loop, redeliveries)
         control.start()
         log.info("engine ready in %.1f s: %d cache pages of %d tokens", time.monotonic() - started,
                  generator.pool.num_pages, generator.page_size)
-        return cls(settings, generator, publisher, loop, control)
+        return cls(settings, generator, publisher, loop, control, redeliveries)
 
     def stop(self) -> None:
         """Let in-flight jobs finish within the grace period (requeued after it), then stop."""
@@ -62,15 +74,34 @@ class Runtime:
         self.control.stop()
 
 
-class ControlListener:
-    """Subscribes to the control channel and forwards cancellations to the loop."""
+def warn_without_persistence(client: redis.Redis) -> None:
+    """Queued tasks, results and streams live in Redis: one without an
+    append-only file or RDB snapshots loses all of them on a restart."""
+    try:
+        aof = client.config_get("appendonly").get("appendonly")
+        save = client.config_get("save").get("save")
+    except redis.ResponseError:
+        log.info("cannot read the persistence settings of Redis (CONFIG disabled); check them yourself")
+        return
+    if aof != "yes" and not save:
+        where = client.connection_pool.connection_kwargs
+        log.warning("REDIS HAS NO PERSISTENCE (appendonly=no, save=''): Redis at %s:%s loses every queued task, "
+                    "result and stream when it restarts. Run it with --appendonly yes (as docker-compose.yml does).",
+                    where.get("host"), where.get("port"))
 
-    def __init__(self, client: redis.Redis, key_prefix: str, loop: EngineLoop) -> None:
+
+class ControlListener:
+    """Subscribes to the control channel and forwards cancellations to the loop;
+    between messages it also refreshes the running jobs' leases."""
+
+    def __init__(self, client: redis.Redis, key_prefix: str, loop: EngineLoop, redeliveries: Redeliveries) -> None:
         self.client = client
         self.key_prefix = key_prefix
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(control_channel(key_prefix))
         self.loop = loop
+        self.redeliveries = redeliveries
+        self._leases_refreshed = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="genq-control", daemon=True)
 
@@ -84,6 +115,9 @@ class ControlListener:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if time.monotonic() - self._leases_refreshed >= LEASE_S / 3:
+                self._leases_refreshed = time.monotonic()
+                self.redeliveries.refresh_leases(self.loop.lease_holders())
             try:
                 message = self.pubsub.get_message(timeout=1.0)
             except redis.RedisError:

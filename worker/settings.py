@@ -6,8 +6,9 @@ visibility timeout, queue name and key prefix can never disagree between them.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from producer.routing import route_queue
 from producer.settings import ClientSettings
 
 
@@ -29,4 +30,26 @@ class Settings(ClientSettings):
     max_batch_size: int | None = Field(None, ge=1, description="jobs in the generator's batch at once")
     max_chunk_size: int | None = Field(None, ge=1, description="tokens per forward (prefill chunking budget)")
     concurrency: int = Field(64, ge=1, description="tasks in flight on one worker (threads pool size)")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on this port")
+    metrics_address: str = Field("0.0.0.0", description="address the metrics port binds")
     shutdown_grace_s: float = Field(30.0, ge=0, description="warm shutdown: time to finish in-flight jobs")
+    prefix_route: str | None = Field(
+        None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
+        description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py)")
+
+    @model_validator(mode="after")
+    def _routes_exist(self) -> Settings:
+        for route in self.prefix_routes_served:
+            if route >= self.prefix_routes:
+                raise ValueError(f"GENQ_PREFIX_ROUTE: route {route} needs GENQ_PREFIX_ROUTES above {route} "
+                                 f"(it is {self.prefix_routes})")
+        return self
+
+    @property
+    def prefix_routes_served(self) -> list[int]:
+        return sorted({int(route) for route in self.prefix_route.split(",")}) if self.prefix_route else []
+
+    @property
+    def queues(self) -> list[str]:
+        """The shared queue, then the prefix routes this worker serves."""
+        return [self.queue] + [route_queue(self.queue, route) for route in self.prefix_routes_served]

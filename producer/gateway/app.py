@@ -9,6 +9,8 @@ Run it with `genq gateway` (uvicorn); `create_app(settings)` is the ASGI applica
 from __future__ import annotations
 
 import json
+import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,26 +18,30 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import anyio
-import redis.asyncio
 from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, HttpUrl, TypeAdapter, ValidationError
 
+from producer.callback_targets import CallbackUrlRefused, resolve_target_async
 from producer.callbacks import DELIVER_CALLBACK_TASK
 from producer.client import AsyncGenerationHandle, AsyncGenqClient, GenerationError, StreamRestarted, TextAssembler
 from producer.gateway import sse
+from producer.gateway.access import TaskRecords
 from producer.gateway.auth import (
+    forget_signature,
     require_gateway_token,
     require_task_access,
     require_webhook_auth,
 )
-from producer.gateway.errors import ApiError, BodyLimit, ErrorBody, install_handlers
+from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
+from producer.gateway.logs import redact_access_log
+from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from producer.gateway.openai_api import (
+    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatChunkChoice,
     ChatDelta,
     Completion,
     CompletionChoice,
@@ -57,6 +63,7 @@ from producer.protocol import (
     StreamEvent,
     Usage,
 )
+from producer.routing import route_queue
 from producer.signing import task_access_token
 
 PRIORITY_LEVELS = range(10)
@@ -65,10 +72,11 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 f"{queue}\\x06\\x16{level}" for the others (kombu/transport/redis.py, Channel._q_for_pri).
 Summing every level 0-9 counts a queue whatever priority_steps its producers use."""
 
-CLIENT_CLOSED_REQUEST = 499
-"""nginx's status for a request whose client left before the answer; logged, never received."""
 _CALLBACK_URL = TypeAdapter(HttpUrl)
 _LAST_EVENT_ID = "Last-Event-ID"
+_LAST_EVENT_ID_RE = re.compile(r"([0-9]{1,9})-([0-9]{1,18})")
+"""ASCII digits only (str.isdigit also takes '²', which int() refuses) and bounded, since the
+numbers go into Redis stream positions."""
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 422, 429)}
 
@@ -100,14 +108,16 @@ class CancelAccepted(BaseModel):
 
 class Gateway:
     """What the handlers share: the settings, the async client (whose Redis also keeps the seen
-    webhook signatures) and a connection to the broker's Redis for the queue depth."""
+    webhook signatures and the task records) and a connection to the broker's Redis for the
+    queue depth."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.client = AsyncGenqClient(settings.redis_url, broker_url=settings.broker_url,
                                       result_backend=settings.result_backend, queue=settings.queue,
-                                      key_prefix=settings.key_prefix)
-        self.broker = redis.asyncio.Redis.from_url(self.client.settings.broker)
+                                      key_prefix=settings.key_prefix, sentinel_master=settings.sentinel_master)
+        self.broker = self.client.settings.redis_async(self.client.settings.broker)
+        self.records = TaskRecords(self.client, settings.key_prefix, settings.task_record_ttl_s)
         self.started = int(time.time())
 
     async def close(self) -> None:
@@ -115,10 +125,13 @@ class Gateway:
         await self.broker.aclose()
 
     async def queue_depth(self) -> int:
-        queue = self.settings.queue
+        """Tasks waiting in the model's queue and, with prefix routing, in all its routes."""
+        queues = [self.settings.queue] + [route_queue(self.settings.queue, route)
+                                          for route in range(self.settings.prefix_routes)]
         async with self.broker.pipeline(transaction=False) as pipe:
-            for level in PRIORITY_LEVELS:
-                pipe.llen(queue if level == 0 else f"{queue}{KOMBU_PRIORITY_SEPARATOR}{level}")
+            for queue in queues:
+                for level in PRIORITY_LEVELS:
+                    pipe.llen(queue if level == 0 else f"{queue}{KOMBU_PRIORITY_SEPARATOR}{level}")
             return sum(await pipe.execute())
 
     async def admit(self) -> None:
@@ -157,8 +170,9 @@ def _gateway_token(request: Request) -> None:
     require_gateway_token(request.app.state.gateway.settings, request)
 
 
-def _task_access(request: Request, task_id: Annotated[str, Path(pattern=IDENTIFIER_PATTERN)]) -> str:
-    require_task_access(request.app.state.gateway.settings, request, task_id)
+async def _task_access(request: Request, task_id: Annotated[str, Path(pattern=IDENTIFIER_PATTERN)]) -> str:
+    gateway: Gateway = request.app.state.gateway
+    await require_task_access(gateway.settings, request, task_id, gateway.records)
     return task_id
 
 
@@ -178,7 +192,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="genq gateway", version="1", lifespan=lifespan,
                   description="Webhooks, SSE streams and OpenAI-compatible endpoints for the genq queue.")
     app.state.gateway = gateway
+    redact_access_log()
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    metrics = GatewayMetrics()
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_api_route("/metrics", metrics.endpoint, methods=["GET"], include_in_schema=False)
     install_handlers(app)
 
     # --- native endpoints ---------------------------------------------------------------
@@ -192,20 +210,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         "<timestamp>." + raw body)>`. The body is a genq request (docs/protocol.md) plus an
         optional `callback_url` that receives the outcome, signed the same way."""
         body = await request.body()
-        await require_webhook_auth(settings, request, body, gateway.client.redis)
-        payload = _json_object(body)
-        callback_url = _callback_url(payload.pop("callback_url", None))
-        if callback_url is not None and settings.webhook_secret is None:
-            raise ApiError(422, "invalid_request", "callback_url: callbacks are signed with GENQ_WEBHOOK_SECRET, "
-                                                   "which this gateway does not have", param="callback_url")
-        generation = _parse(payload, status=422)
-        await gateway.admit()
-        identifier = generation.identifier or str(uuid.uuid4())
-        await gateway.send(generation, identifier, callback_url)
-        access = (task_access_token(settings.webhook_secret.get_secret_value(), identifier)
-                  if settings.webhook_secret is not None else None)
-        return TaskAccepted(id=identifier, stream_url=f"/v1/tasks/{identifier}/events",
-                            result_url=f"/v1/tasks/{identifier}", access_token=access)
+        seen_signature = await require_webhook_auth(settings, request, body, gateway.client.redis)
+        try:
+            return await _accept(gateway, body)
+        except BaseException:
+            if seen_signature is not None:  # refused: the sender may retry the same signed bytes
+                with anyio.CancelScope(shield=True):
+                    await forget_signature(gateway.client.redis, seen_signature)
+            raise
 
     @app.get("/v1/tasks/{task_id}", response_model=TaskStatus, responses=ERROR_RESPONSES)
     async def get_task(task_id: AccessibleTaskId) -> TaskStatus:
@@ -281,24 +293,66 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
+    """The webhook after authentication: validate, admit, claim the identifier, enqueue."""
+    settings = gateway.settings
+    payload = _json_object(body)
+    callback_url = await _callback_url(payload.pop("callback_url", None), settings.callback_allow_private_hosts)
+    if callback_url is not None and settings.webhook_secret is None:
+        raise ApiError(422, "invalid_request", "callback_url: callbacks are signed with GENQ_WEBHOOK_SECRET, "
+                                               "which this gateway does not have", param="callback_url")
+    generation = _parse(payload, status=422)
+    await gateway.admit()
+    identifier = generation.identifier or str(uuid.uuid4())
+    nonce = await gateway.records.claim(identifier)
+    try:
+        await gateway.send(generation, identifier, callback_url)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await gateway.records.release(identifier, nonce)
+        raise
+    access = (task_access_token(settings.webhook_secret.get_secret_value(), identifier, nonce)
+              if settings.webhook_secret is not None else None)
+    return TaskAccepted(id=identifier, stream_url=f"/v1/tasks/{identifier}/events",
+                        result_url=f"/v1/tasks/{identifier}", access_token=access)
+
+
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(422, "invalid_json", f"the body is not JSON: {error}") from None
+        raise ApiError(422, "invalid_json", f"the body is not JSON: {error}"[:300]) from None
+    except ValueError:  # valid JSON, but an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise ApiError(422, "invalid_json", f"the body holds a number of more than {sys.get_int_max_str_digits()} "
+                                            "digits") from None
+    except RecursionError:
+        raise ApiError(422, "invalid_json", "the body is nested too deeply") from None
     if not isinstance(payload, dict):
         raise ApiError(422, "invalid_request", "the body must be a JSON object of request fields")
     return payload
 
 
-def _callback_url(value: Any) -> str | None:
+async def _callback_url(value: Any, allow_private: bool) -> str | None:
+    """The normalized callback URL (IP spellings become dotted quads), checked against the
+    address policy of producer.callback_targets."""
     if value is None:
         return None
     try:
-        return str(_CALLBACK_URL.validate_python(value))
+        url = str(_CALLBACK_URL.validate_python(value))
     except ValidationError:
-        raise ApiError(422, "invalid_request", f"callback_url: must be an http(s) URL, got {value!r}"[:300],
+        raise ApiError(422, "invalid_request", f"callback_url: must be an http(s) URL, got {_preview(value)}",
                        param="callback_url", problems=["callback_url: must be an http(s) URL"]) from None
+    try:
+        await resolve_target_async(url, allow_private=allow_private)
+    except CallbackUrlRefused as refused:
+        problem = f"callback_url: {refused}"
+        raise ApiError(422, "invalid_request", problem, param="callback_url", problems=[problem]) from None
+    return url
+
+
+def _preview(value: Any, limit: int = 80) -> str:
+    text = ascii(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _parse(fields: dict[str, Any], *, status: int) -> GenerationRequest:
@@ -312,10 +366,12 @@ def _parse(fields: dict[str, Any], *, status: int) -> GenerationRequest:
 def _parse_last_event_id(value: str | None) -> tuple[int, int] | None:
     if not value:
         return None
-    attempt, _, seq = value.partition("-")
-    if not (attempt.isdigit() and seq.isdigit()):
-        raise ApiError(400, "invalid_last_event_id", f"{_LAST_EVENT_ID} must be '<attempt>-<seq>', got {value!r}")
-    return int(attempt), int(seq)
+    match = _LAST_EVENT_ID_RE.fullmatch(value)
+    if match is None:
+        raise ApiError(400, "invalid_last_event_id", f"{_LAST_EVENT_ID} must be '<attempt>-<seq>' as in this "
+                                                     f"stream's `id:` lines (at most 9 and 18 digits), "
+                                                     f"got {_preview(value)}", param=_LAST_EVENT_ID)
+    return int(match[1]), int(match[2])
 
 
 def _check_model(settings: GatewaySettings, model: str) -> None:
@@ -342,7 +398,7 @@ async def _openai(gateway: Gateway, request: Request, body: CompletionRequest | 
     try:
         fields = body.to_request_fields()
     except UnsupportedParameter as error:
-        raise ApiError(400, "unsupported_parameter", str(error), param=error.param) from None
+        raise ApiError(400, error.code, str(error), param=error.param) from None
     identifier = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     generation = _parse({**fields, "identifier": identifier}, status=400)
     await gateway.admit()

@@ -6,8 +6,13 @@
   timestamp must lie within GENQ_GATEWAY_REPLAY_WINDOW_S of the gateway's clock, and each
   signature is accepted once: its digest is stored in Redis with SET NX EX for twice the window
   (a signature can only be valid during the window around its timestamp, so that covers it).
-- The task's access token from the 202 answer (HMAC of the id under the webhook secret), as a
-  bearer token or an `access_token` query parameter: that task's status, events and cancel.
+  The digest is claimed before the request is processed (two copies racing cannot both pass)
+  and given back when the request is refused (422, 409, 429, ...), so that the sender's retry
+  with the same signed bytes is judged anew: only an accepted request uses its signature up.
+- The task's access token from the 202 answer (HMAC of the id and of the random nonce the
+  gateway stored with the task, producer.gateway.access), as a bearer token or an
+  `access_token` query parameter: that task's status, events and cancel, until its record
+  expires.
 - Nothing, when GENQ_GATEWAY_ALLOW_ANONYMOUS=true.
 
 Status codes: 401 for missing or wrong credentials, a bad signature or a timestamp outside the
@@ -22,6 +27,7 @@ import hmac
 import redis.asyncio
 from fastapi import Request
 
+from producer.gateway.access import TaskRecords
 from producer.gateway.errors import ApiError
 from producer.gateway.settings import GatewaySettings
 from producer.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, task_access_token, verify
@@ -54,23 +60,27 @@ def require_gateway_token(settings: GatewaySettings, request: Request) -> None:
     raise ApiError(401, "invalid_api_key", "missing or wrong bearer token ('Authorization: Bearer <token>')")
 
 
-def require_task_access(settings: GatewaySettings, request: Request, identifier: str) -> None:
+async def require_task_access(settings: GatewaySettings, request: Request, identifier: str,
+                              records: TaskRecords) -> None:
     """Status, events and cancel of one task: the gateway token, or that task's access token."""
     if has_gateway_token(settings, request):
         return
-    if settings.webhook_secret is not None:
-        expected = task_access_token(settings.webhook_secret.get_secret_value(), identifier)
-        if _matches(_bearer(request), expected) or _matches(request.query_params.get("access_token"), expected):
+    offered = [token for token in (_bearer(request), request.query_params.get("access_token")) if token]
+    if settings.webhook_secret is not None and offered and (nonce := await records.nonce(identifier)) is not None:
+        expected = task_access_token(settings.webhook_secret.get_secret_value(), identifier, nonce)
+        if any(_matches(token, expected) for token in offered):
             return
     raise ApiError(401, "invalid_api_key", "send the gateway token or this task's access token "
                                            "('Authorization: Bearer <token>' or ?access_token=<token>)")
 
 
 async def require_webhook_auth(settings: GatewaySettings, request: Request, body: bytes,
-                               replay_store: redis.asyncio.Redis) -> None:
-    """`POST /v1/tasks`: the bearer token, or a fresh signature of this body never seen before."""
+                               replay_store: redis.asyncio.Redis) -> str | None:
+    """`POST /v1/tasks`: the bearer token, or a fresh signature of this body never accepted before.
+    Returns the Redis key that now marks the signature as used (None for the bearer token): the
+    caller deletes it with `forget_signature` if it refuses the request after all."""
     if has_gateway_token(settings, request):
-        return
+        return None
     if settings.webhook_secret is None:
         raise ApiError(401, "invalid_api_key", "missing or wrong bearer token ('Authorization: Bearer <token>')")
     try:
@@ -82,3 +92,8 @@ async def require_webhook_auth(settings: GatewaySettings, request: Request, body
     if not await replay_store.set(key, "1", nx=True, ex=2 * settings.replay_window_s):
         raise ApiError(409, "replayed_request", "this signed request was already accepted; sign each request anew "
                                                 "(a new timestamp gives a new signature)")
+    return key
+
+
+async def forget_signature(replay_store: redis.asyncio.Redis, key: str) -> None:
+    await replay_store.delete(key)

@@ -11,12 +11,15 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a request whose client left before the answer; logged, never received."""
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 """OpenAI answers invalid requests with 400; the native endpoints use 422, as FastAPI does."""
 
@@ -74,10 +77,17 @@ def install_handlers(app: FastAPI) -> None:
         return ApiError(validation_status(request.url.path), "invalid_request", "\n".join(problems),
                         param=_location(first) if first else None, problems=problems).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, error: ClientDisconnect) -> Response:
+        # The client left while its body was being read (or the server refused the rest of it):
+        # nobody reads an answer, and it is not the gateway's error to log with a traceback.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(error.status_code,
-                                                                                          "http_error")
+        # FastAPI's own 400 is a body it could not parse (not JSON, too deep, a too long number).
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed",
+                413: "body_too_large"}.get(error.status_code, "http_error")
         return ApiError(error.status_code, code, str(error.detail), headers=error.headers).response()
 
 

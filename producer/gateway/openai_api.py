@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
 from producer.protocol import DEFAULT_MAX_NEW_TOKENS, GenerationResult, Usage
 
@@ -31,9 +31,18 @@ OpenAIFinishReason = Literal["stop", "length"]
 class UnsupportedParameter(ValueError):
     """A request asks for an OpenAI feature genq does not implement."""
 
+    code = "unsupported_parameter"
+
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class InvalidParameter(UnsupportedParameter):
+    """A parameter of the wrong shape that the request model leaves open (a message content
+    part is any object until its type says which kind it is)."""
+
+    code = "invalid_request"
 
 
 class _Lenient(BaseModel):
@@ -134,7 +143,11 @@ class ChatMessageParam(_Lenient):
             if part.get("type") != "text":
                 raise UnsupportedParameter(f"messages[{index}].content[{part_index}]",
                                            f"only text parts are supported, got type {part.get('type')!r}")
-            texts.append(TextPart.model_validate(part).text)
+            try:
+                texts.append(TextPart.model_validate(part).text)
+            except ValidationError:
+                raise InvalidParameter(f"messages[{index}].content[{part_index}]",
+                                       'a text part is {"type": "text", "text": <string>}') from None
         return "".join(texts)
 
 

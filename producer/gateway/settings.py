@@ -1,17 +1,17 @@
-"""Gateway settings: GENQ_GATEWAY_* for the gateway's own knobs, the shared GENQ_* names
-(Redis, queue, key prefix, webhook secret, callback queue) for what it must agree on with the
-workers."""
+"""Gateway settings: GENQ_GATEWAY_* for the gateway's own knobs; the shared GENQ_* names
+(ClientSettings: Redis, broker, results, queue, key prefix, visibility timeout; plus the webhook
+secret, callback queue and callback address policy) for what it must agree on with the workers."""
 
 from __future__ import annotations
 
 from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from producer.callbacks import DEFAULT_CALLBACK_QUEUE
-from producer.protocol import DEFAULT_KEY_PREFIX, DEFAULT_QUEUE
+from producer.settings import ClientSettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(ClientSettings):
     model_config = SettingsConfigDict(env_prefix="GENQ_GATEWAY_", extra="ignore", populate_by_name=True)
 
     host: str = Field("127.0.0.1", description="address `genq gateway` binds")
@@ -27,14 +27,15 @@ class GatewaySettings(BaseSettings):
     keepalive_s: float = Field(15.0, gt=0, description="SSE comment sent when a stream is idle this long")
     result_timeout_s: float = Field(3600.0, gt=0, description="longest wait for a non-streamed OpenAI answer")
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias="GENQ_REDIS_URL")
-    broker_url: str | None = Field(None, validation_alias="GENQ_BROKER_URL")
-    result_backend: str | None = Field(None, validation_alias="GENQ_RESULT_BACKEND")
-    queue: str = Field(DEFAULT_QUEUE, validation_alias="GENQ_QUEUE", description="the queue of the served model")
-    key_prefix: str = Field(DEFAULT_KEY_PREFIX, validation_alias="GENQ_KEY_PREFIX")
     webhook_secret: SecretStr | None = Field(None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="HMAC key of webhook signatures and callbacks")
     callback_queue: str = Field(DEFAULT_CALLBACK_QUEUE, validation_alias="GENQ_CALLBACK_QUEUE")
+    callback_allow_private_hosts: bool = Field(
+        False, validation_alias="GENQ_CALLBACK_ALLOW_PRIVATE_HOSTS",
+        description="accept callback URLs on loopback, private, link-local, ... addresses (trusted deployments)")
+    task_record_ttl_s: int = Field(86400, ge=1, validation_alias="GENQ_RESULT_EXPIRES_S",
+                                   description="an accepted identifier stays taken (and its access token valid) "
+                                               "as long as the workers keep its result")
 
     @model_validator(mode="after")
     def _some_authentication(self) -> GatewaySettings:

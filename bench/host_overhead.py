@@ -1,0 +1,278 @@
+"""Host overhead per engine step: the time a step spends outside the model forward.
+
+On a GPU the forward of a real model at a large batch takes ~10-15 ms; whatever
+the step does on the CPU besides (scheduling, building the batch, sampling
+bookkeeping, penalties, detokenizing, stop strings, results) leaves the GPU idle
+unless it is overlapped. On the tiny random model the forward is small, so the
+host share of a step is measured directly:
+
+  forward_ms  time inside the model's forward (forward pre/post hooks on the
+              main model; the sum over the step's forward calls)
+  sampler_ms  time inside the sampler's entry point (engine.generator.sample
+              before the batched sampler existed, BatchSampler.sample after): on
+              a GPU its tensor ops are device work, but on this CPU a sort or
+              top-k over [256, vocab] alone takes milliseconds, so it is shown
+              apart rather than hidden in either figure
+  host_ms     iterate() wall time minus forward_ms (the issue's definition)
+  host_excl_sampler_ms  host_ms minus sampler_ms: the pure host work (scheduling,
+              batch building, detokenizing, stop strings, results)
+
+Workload per point: N jobs (1, 64, 256) with 16-token prompts, all enqueued at
+once; every job's prefill is run first, then W warm-up decode steps, then S
+measured decode steps in which every job decodes one token (max_new_tokens is
+large enough that no job finishes, and EOS never stops a job). Two settings:
+  greedy   temperature 0, no stop strings
+  sampled  temperature 0.8, top_p 0.9, top_k 50, repetition_penalty 1.1, and two
+           stop strings that the output holds back on partial matches
+With --overlap, each step's forward and sampling run on a worker thread while
+the previous step's text and results are produced; host_ms is then the host
+time the step still adds beyond its forward (what overlap did not hide).
+The medians over the S steps are the headline (the machine may be shared: the
+median is robust to a neighbour's bursts; p90 is recorded beside it). A busy
+neighbour slows the forward and the host work alike, so host / forward (same
+model, same run) compares runs taken under different load.
+
+To measure an older engine with this script, put its checkout first on
+PYTHONPATH (`git archive REV | tar -x -C DIR`; PYTHONPATH=DIR) and pass
+--label: the sampler timer falls back to engine.generator.sample there.
+
+With `--label NAME` the run is stored under that label; the labels already in
+the JSON are kept, so the README's before/after table comes from one file.
+Writes bench/results/host_overhead.{json,png} (host_overhead_quick.* with
+--quick) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import torch
+from bench_common import (
+    RESULTS_DIR,
+    ensure_model,
+    load_average,
+    machine_info,
+    progress,
+    warn_if_busy,
+    write_results,
+)
+
+import engine.generator
+from engine import Generator, Job, SamplerSettings
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+BATCHES = (1, 64, 256)
+SETTINGS = {
+    "greedy": SamplerSettings.greedy(),
+    "sampled": SamplerSettings(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1),
+}
+STOP_STRINGS = {"greedy": [], "sampled": ["</answer>", "###"]}
+PROMPT_TOKENS = 16
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", default="current", help="name this run is stored under in the JSON")
+    parser.add_argument("--preset", default="tiny", help="tiny-model preset (default: tiny, ~5M parameters)")
+    parser.add_argument("--steps", type=int, default=50, help="measured decode steps per point")
+    parser.add_argument("--warmup", type=int, default=5, help="decode steps run before measuring")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="Generator(overlap=True): the forward runs on a worker thread while the previous "
+                             "step's text and results are produced; host_ms is then the host time left exposed")
+    parser.add_argument("--quick", action="store_true", help="10 measured steps; writes host_overhead_quick.*")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return parser.parse_args(argv)
+
+
+class ForwardTimer:
+    """Sums the wall time spent inside a module's forward calls."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.total = 0.0
+        self._start = 0.0
+        module.register_forward_pre_hook(self._before)
+        module.register_forward_hook(self._after)
+
+    def _before(self, *_: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _after(self, *_: Any) -> None:
+        self.total += time.perf_counter() - self._start
+
+
+class CallTimer:
+    """Sums the wall time spent in one function, wrapped where its caller looks it up."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.total = 0.0
+        function = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def sampler_timer(gen: Generator) -> CallTimer:
+    """Times whichever sampler entry point this engine version calls."""
+    sampler = getattr(gen, "sampler", None)
+    if sampler is not None:
+        return CallTimer(sampler, "sample")
+    return CallTimer(engine.generator, "sample")
+
+
+def measure(gen: Generator, timer: ForwardTimer, sampler: CallTimer, num_jobs: int, mode: str, steps: int,
+            warmup: int) -> dict[str, Any]:
+    """Median host and forward time per decode step with num_jobs running."""
+    vocab = gen.model.config.vocab_size
+    generator = torch.Generator().manual_seed(num_jobs)
+    jobs = [
+        Job(
+            torch.randint(5, vocab, (PROMPT_TOKENS,), generator=generator).tolist(),
+            max_new_tokens=steps + warmup + 8,
+            stop_conditions=STOP_STRINGS[mode],
+            gen_settings=SETTINGS[mode],
+            seed=i,
+        )
+        for i in range(num_jobs)
+    ]
+    for job in jobs:
+        gen.enqueue(job)
+    while gen.stats.computed_prompt_tokens < num_jobs * PROMPT_TOKENS or gen.num_pending_jobs():
+        gen.iterate()
+    for _ in range(warmup):
+        gen.iterate()
+    host: list[float] = []
+    forward: list[float] = []
+    sampling: list[float] = []
+    for _ in range(steps):
+        timer.total = sampler.total = 0.0
+        start = time.perf_counter()
+        results = gen.iterate()
+        wall = time.perf_counter() - start
+        if len(results) != num_jobs or any(r["eos"] for r in results):
+            raise RuntimeError(f"expected {num_jobs} streaming results per step, got {len(results)}")
+        forward.append(timer.total)
+        sampling.append(sampler.total)
+        host.append(wall - timer.total)
+    for job in jobs:
+        gen.cancel(job)
+    while gen.num_remaining_jobs():
+        gen.iterate()
+    return {
+        "jobs": num_jobs,
+        "mode": mode,
+        "steps": steps,
+        "host_ms": _ms(statistics.median(host)),
+        "host_p90_ms": _ms(_p90(host)),
+        "forward_ms": _ms(statistics.median(forward)),
+        "forward_p90_ms": _ms(_p90(forward)),
+        "sampler_ms": _ms(statistics.median(sampling)),
+        "host_excl_sampler_ms": _ms(statistics.median([h - s for h, s in zip(host, sampling)])),
+        "host_per_job_us": round(statistics.median(host) / num_jobs * 1e6, 2),
+        "host_over_forward": round(statistics.median(host) / statistics.median(forward), 3),
+    }
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _p90(values: list[float]) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    machine = machine_info()
+    warn_if_busy(args.threads)
+    path = ensure_model(args.preset)
+    steps = 10 if args.quick else args.steps
+    cache_tokens = max(BATCHES) * (PROMPT_TOKENS + steps + args.warmup + 16)
+    options = {"overlap": True} if args.overlap else {}  # engines before the overlap option lack it
+    gen = Generator.from_pretrained(path, cache_tokens=cache_tokens, max_batch_size=max(BATCHES), **options)
+    timer = ForwardTimer(gen.model)
+    sampler = sampler_timer(gen)
+    points = []
+    for mode in SETTINGS:
+        for num_jobs in BATCHES:
+            progress(f"{args.label}: {mode}, {num_jobs} jobs")
+            points.append(measure(gen, timer, sampler, num_jobs, mode, steps, args.warmup))
+            progress(f"  host {points[-1]['host_ms']} ms, forward {points[-1]['forward_ms']} ms (medians)")
+    return {
+        "machine": machine,
+        "load_average_at_end": load_average(),
+        "threads": args.threads,
+        "overlap": args.overlap,
+        "preset": args.preset,
+        "points": points,
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    labels = list(results["runs"])
+    modes = list(SETTINGS)
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    width = 0.8 / len(labels)
+    for ax, mode in zip(axes[0], modes):
+        for i, label in enumerate(labels):
+            points = [p for p in results["runs"][label]["points"] if p["mode"] == mode]
+            xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(points))]
+            bottom = [0.0] * len(points)
+            for key, part, alpha in (("host_excl_sampler_ms", "host", 1.0), ("sampler_ms", "sampler", 0.6),
+                                     ("forward_ms", "forward", 0.3)):
+                values = [p[key] for p in points]
+                ax.bar(xs, values, width, bottom=bottom, alpha=alpha, label=f"{label}: {part}")
+                bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xticks(range(len(BATCHES)), [f"{n} jobs" for n in BATCHES])
+        ax.set_title(f"{mode}: median decode step (host, sampler, forward stacked)")
+        ax.set_ylabel("ms per decode step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        ("| run | mode | jobs | host ms/step | host p90 | of which sampler | host excl. sampler "
+         "| forward ms/step | host / forward | host per job (µs) |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, run_result in results["runs"].items():
+        for p in run_result["points"]:
+            lines.append(
+                f"| {label} | {p['mode']} | {p['jobs']} | {p['host_ms']:.2f} | {p['host_p90_ms']:.2f} "
+                f"| {p['sampler_ms']:.2f} | {p['host_excl_sampler_ms']:.2f} | {p['forward_ms']:.2f} "
+                f"| {p['host_ms'] / p['forward_ms']:.2f} | {p['host_per_job_us']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    stem = "host_overhead_quick" if args.quick else "host_overhead"
+    existing = args.out / f"{stem}.json"
+    results: dict[str, Any] = {"method": __doc__, "runs": {}}
+    if existing.exists():
+        results["runs"] = json.loads(existing.read_text()).get("runs", {})
+    results["runs"][args.label] = run(args)
+    write_results(results, args.out, "host_overhead", args.quick, plot, table)
+
+
+if __name__ == "__main__":
+    main()

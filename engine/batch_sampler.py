@@ -1,0 +1,223 @@
+"""The engine's sampler: per-job sampling state kept as batch tensors across steps.
+
+engine.sampling's functional API rebuilds every per-row tensor from Python
+settings and id lists on each call, which costs O(batch x context) host work
+per step. Here (as in vLLM v1's persistent InputBatch) a running job owns a
+slot from its first sampled token until it finishes, is cancelled or is
+preempted, and the slot's rows of persistent tensors hold its settings
+(temperature, top-p, min-p, penalties), its seed and draw counter, its logit
+bias, and, when any job uses penalties, the prompt/output token presence and
+output counts. Joining or leaving writes one slot; each step gathers the
+batch's slots and, after the draw, updates counts and counters on the device
+from the sampled ids. The host never reads a tensor back except the sampled ids.
+
+Randomness is counter-based: a sampled row's uniform is a hash of (seed,
+number of tokens the job has generated), so a seeded job draws the same
+tokens whatever shares its batch, and also after a preemption (its slot is
+rebuilt with the same counter). The speculative path draws from the job's
+torch.Generator instead and reports its tokens through record().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.sampling import (
+    BatchInputs,
+    SamplerSettings,
+    choose,
+    edited_logits,
+    raise_empty_distribution,
+)
+from engine.sequence import Sequence
+
+_MASK32 = 0xFFFFFFFF
+# Columns of the float parameter table.
+_TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(6)
+
+
+class BatchSampler:
+    def __init__(self, max_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.params = torch.zeros(max_slots, 6, dtype=torch.float32, device=device)
+        # seed low 32 bits, seed high bits, tokens generated so far (the draw counter)
+        self.counters = torch.zeros(max_slots, 3, dtype=torch.int64, device=device)
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self._free = list(range(max_slots - 1, -1, -1))
+        self._slots: dict[int, int] = {}
+        self._settings: list[SamplerSettings] = [SamplerSettings.greedy()] * max_slots
+        self._sampled: set[int] = set()
+        self._edited: set[int] = set()
+        self._suppressing: dict[int, Sequence] = {}
+        self._last: tuple[torch.Tensor, torch.Tensor, list[Sequence]] | None = None
+
+    @property
+    def num_slots_used(self) -> int:
+        return len(self._slots)
+
+    def release(self, serial: int) -> None:
+        """The job left the running batch (finished, cancelled or preempted)."""
+        slot = self._slots.pop(serial, None)
+        if slot is None:
+            return
+        self._free.append(slot)
+        self._sampled.discard(slot)
+        self._edited.discard(slot)
+        self._suppressing.pop(serial, None)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
+        """One token per row ([B] int64 on the device); a row that no token can be
+        drawn for (every logit masked or non-finite) gets -1, see raise_for_row."""
+        slots = [self._slots.get(s.serial) for s in sequences]
+        for i, slot in enumerate(slots):
+            if slot is None:
+                slots[i] = self._add(sequences[i])
+        index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        self.counters[index, 2] += 1
+        if not self._sampled and not self._edited and not self._suppressing:
+            return logits.argmax(dim=-1)
+        inputs = self._inputs(index, slots, sequences)
+        x, bad = edited_logits(logits, inputs)
+        uniform = self._uniforms(index) if self._sampled else None
+        ids = choose(x, inputs, uniform)
+        if self.counts is not None:
+            self.counts.index_put_((index, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        if self.seen is not None:
+            self.seen[index, ids] = True
+        self._last = (logits, x, list(sequences))
+        return torch.where(bad, -1, ids)
+
+    def raise_for_row(self, row: int) -> None:
+        """Raise the error that names why row of the last sample() had nothing to draw."""
+        if self._last is None:
+            raise RuntimeError("no sample() to explain")
+        logits, x, sequences = self._last
+        sequence = sequences[row]
+        suppress = sequence.stop_token_ids if sequence.num_generated < sequence.job.min_new_tokens else ()
+        raise_empty_distribution(row, logits, x, sequence.job.gen_settings, tuple(suppress))
+
+    @torch.inference_mode()
+    def record(self, sequence: Sequence, tokens: Seq[int]) -> None:
+        """Tokens a job emitted outside sample() (speculative verification)."""
+        slot = self._slots.get(sequence.serial)
+        if slot is None:
+            return
+        self.counters[slot, 2] += len(tokens)
+        ids = torch.tensor([t for t in tokens if 0 <= t < self.vocab_size], dtype=torch.long, device=self.device)
+        if self.counts is not None:
+            self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+        if self.seen is not None:
+            self.seen[slot, ids] = True
+
+    def _add(self, sequence: Sequence) -> int:
+        """Give a job a slot and write its settings and token statistics there."""
+        if not self._free:
+            raise RuntimeError("more sampling jobs than slots (max_batch_size)")
+        slot = self._free.pop()
+        self._slots[sequence.serial] = slot
+        settings = sequence.job.gen_settings
+        self._settings[slot] = settings
+        self.params[slot] = torch.tensor([
+            settings.temperature, settings.top_p, settings.min_p, settings.repetition_penalty,
+            settings.frequency_penalty, settings.presence_penalty,
+        ])
+        seed = sequence.seed
+        self.counters[slot] = torch.tensor([seed & _MASK32, seed >> 32, sequence.num_generated])
+        if not settings.is_greedy:
+            self._sampled.add(slot)
+        if settings._edits_logits:
+            self._edited.add(slot)
+        if sequence.num_generated < sequence.job.min_new_tokens and sequence.stop_token_ids:
+            self._suppressing[sequence.serial] = sequence
+        vocab = self.vocab_size
+        ids = torch.tensor([t for t in sequence.token_ids if 0 <= t < vocab], dtype=torch.long, device=self.device)
+        outputs = torch.tensor([t for t in sequence.output_ids if 0 <= t < vocab], dtype=torch.long,
+                               device=self.device)
+        if settings.repetition_penalty != 1.0 and self.seen is None:
+            self.seen = torch.zeros(len(self._settings), vocab, dtype=torch.bool, device=self.device)
+        if self.seen is not None:
+            self.seen[slot] = False
+            self.seen[slot, ids] = True
+        if (settings.frequency_penalty or settings.presence_penalty) and self.counts is None:
+            self.counts = torch.zeros(len(self._settings), vocab, dtype=torch.float32, device=self.device)
+        if self.counts is not None:
+            self.counts[slot] = 0.0
+            self.counts[slot].index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.float32))
+        if (settings.token_bias or settings.banned_token_ids) and self.bias is None:
+            self.bias = torch.zeros(len(self._settings), vocab, dtype=torch.float32, device=self.device)
+        if self.bias is not None:
+            self.bias[slot] = 0.0
+            if settings.token_bias:
+                biased = torch.tensor(list(settings.token_bias.keys()), dtype=torch.long, device=self.device)
+                self.bias[slot, biased] = torch.tensor(list(settings.token_bias.values()), device=self.device)
+            if settings.banned_token_ids:
+                self.bias[slot, list(settings.banned_token_ids)] = -torch.inf
+        return slot
+
+    def _inputs(self, index: torch.Tensor, slots: list[int], sequences: Seq[Sequence]) -> BatchInputs:
+        params = self.params[index]
+        inputs = BatchInputs(
+            settings=[self._settings[slot] for slot in slots],
+            temperature=params[:, _TEMPERATURE],
+            top_p=params[:, _TOP_P],
+            min_p=params[:, _MIN_P],
+        )
+        if self._edited:
+            if self.bias is not None:
+                inputs.bias = self.bias[index]
+            if self.seen is not None:
+                inputs.repetition_penalty = params[:, _REPETITION]
+                inputs.seen = self.seen[index]
+            if self.counts is not None:
+                inputs.frequency_penalty = params[:, _FREQUENCY]
+                inputs.presence_penalty = params[:, _PRESENCE]
+                inputs.counts = self.counts[index]
+        if self._suppressing:
+            inputs.masked = self._suppressed(sequences)
+        return inputs
+
+    def _suppressed(self, sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, ids) of stop tokens blocked while min_new_tokens is not reached."""
+        for serial, sequence in list(self._suppressing.items()):
+            if sequence.num_generated >= sequence.job.min_new_tokens:
+                del self._suppressing[serial]
+        if not self._suppressing:
+            return None
+        rows: list[int] = []
+        ids: list[int] = []
+        for row, sequence in enumerate(sequences):
+            if sequence.serial in self._suppressing:
+                stops = [t for t in sequence.stop_token_ids if 0 <= t < self.vocab_size]
+                rows += [row] * len(stops)
+                ids += stops
+        if not rows:
+            return None
+        return torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)
+
+    def _uniforms(self, index: torch.Tensor) -> torch.Tensor:
+        """[B] uniforms in [0, 1): a hash of each row's seed and draw counter (24 bits, like torch.rand)."""
+        counters = self.counters[index]
+        mixed = _mix32(counters[:, 0] ^ _mix32(counters[:, 1] ^ _mix32((counters[:, 2] - 1) & _MASK32)))
+        return (mixed >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2^32 for x in [0, 2^32), in int64 without overflow."""
+    low = (x & 0xFFFF) * constant
+    high = (((x >> 16) * constant) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (the lowbias32 finalizer)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)

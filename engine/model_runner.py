@@ -1,0 +1,191 @@
+"""The model runner: turns scheduled rows into a ForwardBatch and runs the
+model(s) over their paged caches (as nano-vllm's ModelRunner and vLLM's
+GPUModelRunner do), so the generator never builds tensors itself.
+
+One batch builder serves the main model's steps (prefill chunks, decodes,
+verify rows) and the draft model's autoregressive steps alike: a row is a
+sequence, the position of its first token this step, its token ids, and how
+many of its last positions need logits.
+
+Persistent state: each running sequence owns a row of a page-table array
+that lives across steps. The row is rewritten only when the KV manager
+changed the sequence's pages (its page_version moved): a page is added once
+per page_size tokens, so a decode step copies no page lists at all. Holes
+(pages a sliding window released) are stored as page 0: attention never reads
+them. A step made only of one-token rows (pure decode, draft steps) is built
+with a handful of vectorised numpy operations over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from engine.batch import ForwardBatch
+from engine.cache import KVCache
+from engine.model import CausalLM
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """tokens are the ids at positions start .. start + len(tokens) - 1; the
+    last num_logits of them need next-token logits."""
+
+    sequence: Sequence
+    start: int
+    tokens: Seq[int]
+    num_logits: int
+
+
+class BatchBuilder:
+    def __init__(self, page_size: int, max_rows: int, max_pages_per_sequence: int, device: torch.device) -> None:
+        self.page_size = page_size
+        self.device = device
+        self._tables = np.zeros((max_rows, max_pages_per_sequence), dtype=np.int64)
+        self._free = list(range(max_rows - 1, -1, -1))
+        # serial -> (table row, page_version written)
+        self._rows: dict[int, list[int]] = {}
+
+    def release(self, serial: int) -> None:
+        """The sequence left the running batch; its table row is free."""
+        entry = self._rows.pop(serial, None)
+        if entry is not None:
+            self._free.append(entry[0])
+
+    def build(self, rows: Seq[BatchRow]) -> ForwardBatch:
+        table_rows = np.fromiter((self._table_row(row.sequence) for row in rows), dtype=np.int64, count=len(rows))
+        if all(len(row.tokens) == 1 for row in rows) and not any(row.sequence.job.embeddings for row in rows):
+            return self._single_token_rows(rows, table_rows)
+        return self._general(rows, table_rows)
+
+    def _table_row(self, sequence: Sequence) -> int:
+        entry = self._rows.get(sequence.serial)
+        if entry is None:
+            if not self._free:
+                raise RuntimeError("more running sequences than batch rows")
+            entry = self._rows[sequence.serial] = [self._free.pop(), -1]
+        if entry[1] != sequence.page_version:
+            pages = np.asarray(sequence.pages, dtype=np.int64)
+            self._tables[entry[0], : len(pages)] = np.maximum(pages, 0)  # holes -> page 0, never read
+            entry[1] = sequence.page_version
+        return entry[0]
+
+    def _single_token_rows(self, rows: Seq[BatchRow], table_rows: np.ndarray) -> ForwardBatch:
+        n = len(rows)
+        size = self.page_size
+        positions = np.fromiter((row.start for row in rows), dtype=np.int64, count=n)
+        input_ids = np.fromiter((row.tokens[0] for row in rows), dtype=np.int64, count=n)
+        wants = np.fromiter((row.num_logits for row in rows), dtype=np.int64, count=n)
+        slots = self._tables[table_rows, positions // size] * size + positions % size
+        context_lens = positions + 1
+        width = -(-int(context_lens.max()) // size)
+        logits_indices = np.arange(n) if wants.all() else np.flatnonzero(wants)
+        return self._to_device(input_ids, positions, np.arange(n + 1), context_lens,
+                               self._tables[table_rows, :width], slots, logits_indices, None)
+
+    def _general(self, rows: Seq[BatchRow], table_rows: np.ndarray) -> ForwardBatch:
+        size = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens = [0]
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        embed_positions: list[int] = []
+        embed_values: list[torch.Tensor] = []
+        for row in rows:
+            sequence = row.sequence
+            end = row.start + len(row.tokens)
+            embedded = sequence.job.embedding_rows
+            if embedded:
+                for offset, token in enumerate(row.tokens):
+                    if token in embedded:
+                        embedding, index = embedded[token]
+                        embed_positions.append(len(input_ids) + offset)
+                        embed_values.append(embedding.vectors[index])
+            input_ids.extend(row.tokens)
+            positions.extend(range(row.start, end))
+            cu_seqlens.append(cu_seqlens[-1] + len(row.tokens))
+            context_lens.append(end)
+            logits_indices.extend(range(cu_seqlens[-1] - row.num_logits, cu_seqlens[-1]))
+        ids = np.asarray(input_ids, dtype=np.int64)
+        embeddings = None
+        if embed_positions:
+            ids[embed_positions] = 0
+            embeddings = (torch.tensor(embed_positions, device=self.device), torch.stack(embed_values).to(self.device))
+        pos = np.asarray(positions, dtype=np.int64)
+        token_rows = np.repeat(table_rows, np.diff(cu_seqlens))
+        slots = self._tables[token_rows, pos // size] * size + pos % size
+        width = -(-max(context_lens) // size)
+        return self._to_device(ids, pos, np.asarray(cu_seqlens), np.asarray(context_lens),
+                               self._tables[table_rows, :width], slots, np.asarray(logits_indices, dtype=np.int64),
+                               embeddings)
+
+    def _to_device(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        cu_seqlens: np.ndarray,
+        context_lens: np.ndarray,
+        page_table: np.ndarray,
+        slots: np.ndarray,
+        logits_indices: np.ndarray,
+        embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> ForwardBatch:
+        def tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=tensor(input_ids, torch.long),
+            positions=tensor(positions, torch.long),
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            page_table=tensor(page_table, torch.int32),
+            slot_mapping=tensor(slots, torch.long),
+            logits_indices=tensor(logits_indices, torch.long),
+            embeddings=embeddings,
+        )
+
+
+class ModelRunner:
+    """The main model and its cache, plus an optional draft model on the same
+    pages; both forwards go through one BatchBuilder."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        max_rows: int,
+        max_seq_len: int,
+        draft_model: CausalLM | None = None,
+        draft_cache: KVCache | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.draft_model = draft_model
+        self.draft_cache = draft_cache
+        self.device = cache.k.device
+        max_pages = -(-max_seq_len // cache.page_size) + 1
+        self.builder = BatchBuilder(cache.page_size, max_rows, max_pages, self.device)
+
+    def release(self, serial: int) -> None:
+        self.builder.release(serial)
+
+    def forward(self, rows: Seq[BatchRow]) -> torch.Tensor:
+        """The main model over the rows -> fp32 logits of the positions asked for; the
+        draft model (if any) computes its K/V for the same positions in the same step."""
+        batch = self.builder.build(rows)
+        logits = self.model(batch, self.cache.k, self.cache.v)
+        if self.draft_model is not None and self.draft_cache is not None:
+            no_logits = replace(batch, logits_indices=batch.logits_indices[:0])
+            self.draft_model(no_logits, self.draft_cache.k, self.draft_cache.v)
+        return logits
+
+    def draft_forward(self, rows: Seq[BatchRow]) -> torch.Tensor:
+        """The draft model alone over one-token rows -> its logits."""
+        if self.draft_model is None or self.draft_cache is None:
+            raise RuntimeError("no draft model")
+        return self.draft_model(self.builder.build(rows), self.draft_cache.k, self.draft_cache.v)

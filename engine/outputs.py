@@ -1,0 +1,90 @@
+"""Typed results of Generator.iterate().
+
+A slotted dataclass per result instead of a 16-key dict: the worker and
+other callers read attributes, the engine builds one object per job and
+step without hashing keys. The exllamav2 dict shape stays available two
+ways: item access (result["text"], result.get("eos_string")) reads the
+same fields, and as_dict() returns the plain dict with exactly the keys the
+dict-based API had (the final-result keys only on eos, eos_token_id or
+eos_string only when that was the trigger). Stage and FinishReason are
+StrEnums, so comparisons with the old strings and JSON encoding still work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any
+
+from engine.job import Job
+
+
+class Stage(StrEnum):
+    STARTED = "started"
+    STREAMING = "streaming"
+    EOS = "eos"
+
+
+class FinishReason(StrEnum):
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    MAX_NEW_TOKENS = "max_new_tokens"
+    CANCELLED = "cancelled"
+
+
+_ALWAYS = ("job", "serial", "identifier", "stage", "eos", "text", "token_ids")
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """One job's result of one step. The fields after token_ids are set on
+    the final (eos) result only."""
+
+    job: Job
+    serial: int
+    identifier: Any
+    stage: Stage
+    eos: bool
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    eos_reason: FinishReason | None = None
+    eos_token_id: int | None = None
+    eos_string: str | None = None
+    full_completion: str | None = None
+    completion_ids: list[int] | None = None
+    new_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
+    rejected_draft_tokens: int | None = None
+    time_enqueued: float | None = None
+    time_prefill: float | None = None
+    time_generate: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The exllamav2-style dict this result used to be."""
+        return {name: getattr(self, name) for name in self.keys()}
+
+    def keys(self) -> list[str]:
+        if not self.eos:
+            return list(_ALWAYS)
+        return [name for name in _ALL if name not in _TRIGGERS or getattr(self, name) is not None]
+
+    def __contains__(self, key: object) -> bool:
+        if key in _ALWAYS:
+            return True
+        if not self.eos or key not in _ALL:
+            return False
+        return key not in _TRIGGERS or getattr(self, key) is not None  # type: ignore[arg-type]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self else default
+
+
+_ALL = tuple(f.name for f in fields(EngineOutput))
+_TRIGGERS = frozenset({"eos_token_id", "eos_string"})

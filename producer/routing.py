@@ -1,0 +1,49 @@
+"""Prefix-aware routing (opt-in): requests that start alike go to one worker.
+
+A worker's prefix cache only helps requests that reach that worker. On a
+shared queue, requests with the same long system prompt spread over all the
+workers, and each computes the prefix once per worker at best, and again
+whenever its cache evicted it. With GENQ_PREFIX_ROUTES=N the producer hashes
+the start of each request (its first GENQ_PREFIX_ROUTE_CHARS characters of
+prompt text, chat messages or token ids; 256 by default) into one of N routes
+and sends it to the queue `{queue}.route{i}`; each worker consumes the shared
+queue plus the routes given by GENQ_PREFIX_ROUTE (e.g. `0` or `0,1`). Keep
+the hashed start no longer than the part requests share (the system prompt):
+requests that differ within it are spread like unrouted ones.
+
+Every route needs a worker consuming it, or its requests wait for one: run
+one worker per route (with a restart policy), or give each route to two
+workers for redundancy at some cost in hit rate. The hash is SHA-256, not
+Python's hash(), so every producer process agrees on the routes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+ROUTE_SEPARATOR = ".route"
+MAX_PREFIX_ROUTES = 1024
+
+
+def route_queue(queue: str, route: int) -> str:
+    return f"{queue}{ROUTE_SEPARATOR}{route}"
+
+
+def request_prefix(kwargs: Mapping[str, Any], chars: int) -> str:
+    """The start of a request as text: its prompt, its chat messages (role and
+    content), or its token ids, cut at `chars` characters."""
+    if kwargs.get("messages"):
+        text = "".join(f"{m.get('role', '')}\x1f{m.get('content', '')}\x1e" for m in kwargs["messages"])
+    elif kwargs.get("prompt") is not None:
+        text = str(kwargs["prompt"])
+    else:
+        text = ",".join(str(token) for token in kwargs.get("input_ids") or [])
+    return text[:chars]
+
+
+def prefix_route(kwargs: Mapping[str, Any], routes: int, chars: int) -> int:
+    """Which of `routes` routes a request goes to: the same for the same first `chars` characters."""
+    digest = hashlib.sha256(request_prefix(kwargs, chars).encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") % routes

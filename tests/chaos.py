@@ -1,0 +1,239 @@
+"""The chaos run: many short tasks through real workers on a real redis-server
+(append-only file on) while workers are SIGKILLed, Redis is killed -9 and
+restarted gracefully, and poison messages are interleaved; then every task
+is checked for a result and every stream for exactly one final event.
+
+Used by tests/test_chaos.py (a small run in the default suite, the full one
+behind `make chaos`); `python -m tests.chaos` runs it by hand and prints the
+figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery, states
+
+from producer.protocol import TASK_NAME, StreamEvent, stream_key
+from producer.watchdog import Watchdog
+from tests.service import RawPublisher, plain_client, replay
+from worker.processes import RedisServer, WorkerProcess
+
+log = logging.getLogger(__name__)
+QUEUE = "genq-chaos"
+MAX_NEW_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    tasks: int = 1000
+    workers: int = 2
+    worker_kills: int = 2
+    redis_crashes: int = 1
+    redis_restarts: int = 1
+    poison_every: int = 10
+    visibility_timeout_s: int = 30
+    timeout_s: float = 600.0
+    watchdog_after_s: float = 45.0
+
+
+@dataclass
+class ChaosFigures:
+    tasks: int = 0
+    poison_messages: int = 0
+    lost: list[str] = field(default_factory=list)
+    duplicated_final_results: list[str] = field(default_factory=list)
+    bad_streams: list[str] = field(default_factory=list)
+    wrong_results: list[str] = field(default_factory=list)
+    redelivered: int = 0
+    watchdog_resends: int = 0
+    worker_kills: int = 0
+    redis_crashes: int = 0
+    redis_restarts: int = 0
+    unexpected_worker_exits: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        figures = asdict(self)
+        for name in ("lost", "duplicated_final_results", "bad_streams", "wrong_results", "unexpected_worker_exits"):
+            figures[name] = len(figures[name])
+        return figures
+
+
+def poison_message(i: int) -> tuple[Any, dict[str, Any]]:
+    """Issue 17's two poison messages, alternately: a body that is an object, a message without an id."""
+    if i % 2 == 0:
+        return {"prompt": "poison"}, {"task": TASK_NAME, "id": f"poison-{i}"}
+    return [[], {"prompt": "poison"}, {}], {"task": TASK_NAME}
+
+
+class Chaos:
+    def __init__(self, model: Path, workdir: Path, plan: ChaosPlan) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.plan = plan
+        self.redis = RedisServer(workdir / "redis")
+        self.workers: list[WorkerProcess] = []
+        self.figures = ChaosFigures(tasks=plan.tasks)
+        self.ids = [f"chaos-{i}" for i in range(plan.tasks)]
+        self._started = 0
+
+    def start_worker(self) -> WorkerProcess:
+        name = f"chaos{self._started}"
+        self._started += 1
+        worker = WorkerProcess(self.model, self.redis.url, QUEUE, name, self.workdir / f"{name}.log",
+                               {"visibility_timeout": self.plan.visibility_timeout_s, "concurrency": 32,
+                                "cache_tokens": 4096, "page_size": 16, "shutdown_grace": 0})
+        self.workers.append(worker.start())
+        return worker
+
+    def run(self) -> ChaosFigures:
+        started = time.monotonic()
+        self.redis.start()
+        try:
+            self._run()
+        finally:
+            for worker in self.workers:
+                worker.stop(30)
+            self.redis.stop()
+        self.figures.wall_s = round(time.monotonic() - started, 1)
+        return self.figures
+
+    def _run(self) -> None:
+        client = plain_client(self.redis.url)
+        for _ in range(self.plan.workers):
+            self.start_worker().wait_ready(client)
+        watchdog = Watchdog(client, redis.Redis.from_url(self.redis.url), self.plan.watchdog_after_s)
+        self._send(client, watchdog)
+        schedule = self._schedule()
+        deadline = time.monotonic() + self.plan.timeout_s
+        while time.monotonic() < deadline:
+            done = self._finished()
+            while schedule and done >= schedule[0][0]:
+                _, action = schedule.pop(0)
+                action()
+            if done == self.plan.tasks and not schedule:
+                break
+            self._check_workers()
+            self._watch(watchdog)
+            time.sleep(0.5)
+        self._check_workers()
+        self.figures.watchdog_resends = watchdog.resent
+        self._score()
+
+    def _watch(self, watchdog: Watchdog) -> None:
+        try:
+            watchdog.check()
+        except redis.RedisError:
+            log.info("chaos: the watchdog could not reach Redis; next round")
+
+    def _send(self, client: Celery, watchdog: Watchdog) -> None:
+        raw = RawPublisher(self.redis.url)
+        try:
+            for i, identifier in enumerate(self.ids):
+                kwargs = {"prompt": f"chaos {i}", "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True,
+                          "identifier": identifier}
+                client.send_task(TASK_NAME, kwargs=kwargs, task_id=identifier, queue=QUEUE)
+                watchdog.track(identifier, kwargs, QUEUE)
+                if self.plan.poison_every and i % self.plan.poison_every == 0:
+                    raw.publish(QUEUE, *poison_message(self.figures.poison_messages))
+                    self.figures.poison_messages += 1
+        finally:
+            raw.close()
+
+    def _schedule(self) -> list[tuple[int, Callable[[], None]]]:
+        """Faults at fixed fractions of the tasks finished, spread over the run."""
+        actions: list[Callable[[], None]] = (
+            [self._kill_worker] * self.plan.worker_kills + [self._crash_redis] * self.plan.redis_crashes
+            + [self._restart_redis] * self.plan.redis_restarts
+        )
+        order = sorted(range(len(actions)), key=lambda i: (i % 2, i))
+        step = self.plan.tasks // (len(actions) + 1)
+        return [(step * (n + 1), actions[i]) for n, i in enumerate(order)]
+
+    def _kill_worker(self) -> None:
+        victim = next(w for w in self.workers if w.process is not None and w.process.poll() is None)
+        log.info("chaos: SIGKILL %s", victim.node)
+        victim.kill()
+        self.figures.worker_kills += 1
+        self.start_worker()
+
+    def _crash_redis(self) -> None:
+        log.info("chaos: kill -9 redis-server")
+        self.redis.restart(graceful=False)
+        self.figures.redis_crashes += 1
+
+    def _restart_redis(self) -> None:
+        log.info("chaos: graceful redis-server restart")
+        self.redis.restart(graceful=True)
+        self.figures.redis_restarts += 1
+
+    def _check_workers(self) -> None:
+        for worker in self.workers:
+            code = worker.process.poll() if worker.process is not None else None
+            killed = code == -9
+            if code is not None and not killed and worker.node not in self.figures.unexpected_worker_exits:
+                log.error("worker %s exited with %s:\n%s", worker.node, code, worker.log_tail())
+                self.figures.unexpected_worker_exits.append(worker.node)
+
+    def _finished(self) -> int:
+        """Tasks with a final result stored (STARTED is stored too: task_track_started)."""
+        try:
+            client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
+            metas = client.mget([f"celery-task-meta-{identifier}" for identifier in self.ids])
+        except redis.RedisError:
+            return 0
+        return sum(meta is not None and json.loads(meta)["status"] in states.READY_STATES for meta in metas)
+
+    def _score(self) -> None:
+        client = redis.Redis.from_url(self.redis.url)
+        metas = client.mget([f"celery-task-meta-{identifier}" for identifier in self.ids])
+        for identifier, meta in zip(self.ids, metas, strict=True):
+            events = replay(client, identifier) if client.exists(stream_key(identifier)) else []
+            finals = [e for e in events if e.is_terminal]
+            result = json.loads(meta) if meta is not None else {"status": "PENDING"}
+            if result["status"] not in states.READY_STATES:
+                self.figures.lost.append(identifier)
+                continue
+            if result["status"] != "SUCCESS" or result["result"]["usage"]["completion_tokens"] != MAX_NEW_TOKENS:
+                self.figures.wrong_results.append(identifier)
+            if len(finals) > 1:
+                self.figures.duplicated_final_results.append(identifier)
+                log.warning("chaos: %s has %d final events: %s", identifier, len(finals),
+                            [(e.attempt, e.seq, e.event) for e in events])
+            if not _ends_in_one_final(events):
+                self.figures.bad_streams.append(identifier)
+            self.figures.redelivered += any(e.attempt > 1 for e in events)
+
+
+def _ends_in_one_final(events: list[StreamEvent]) -> bool:
+    finals = [i for i, e in enumerate(events) if e.is_terminal]
+    return len(finals) == 1 and finals[0] == len(events) - 1
+
+
+def run_chaos(model: Path, workdir: Path, plan: ChaosPlan) -> ChaosFigures:
+    return Chaos(model, workdir, plan).run()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Run the chaos test's workload by hand and print its figures.")
+    parser.add_argument("model", type=Path, help="HF model directory (e.g. one from `genq make-tiny-model`)")
+    parser.add_argument("workdir", type=Path, help="where Redis's append-only file and the worker logs go")
+    parser.add_argument("--tasks", type=int, default=ChaosPlan.tasks)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    figures = run_chaos(args.model, args.workdir, ChaosPlan(tasks=args.tasks))
+    print(json.dumps(figures.summary(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""A worker on a Redis that restarts (kill -9 and graceful, append-only file
+on) keeps serving and runs nothing twice; a request lost by the broker is sent
+again by the producer's watchdog; a Redis without persistence is warned about
+(issue 17, cases 3, 4, 5, 7). Each test owns its redis-server: they restart it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import states
+
+from producer.client import GenqClient
+from producer.protocol import TASK_NAME, StreamEvent
+from producer.watchdog import Watchdog
+from tests.service import plain_client, replay
+from worker.processes import RedisServer, WorkerProcess, wait_until
+
+QUEUE = "genq-restarts"
+OPTIONS = {"cache_tokens": 8192, "page_size": 16, "concurrency": 32, "visibility_timeout": 30}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path / "redis") as running:
+        yield running
+
+
+@pytest.fixture()
+def worker(model: Path, server: RedisServer, tmp_path: Path) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(model, server.url, QUEUE, "restarts", tmp_path / "worker.log", OPTIONS)
+    process.start().wait_ready(plain_client(server.url))
+    yield process
+    process.stop()
+
+
+def finals(events: list[StreamEvent]) -> list[StreamEvent]:
+    return [e for e in events if e.is_terminal]
+
+
+def test_the_worker_carries_on_through_a_redis_crash_and_a_graceful_restart(
+    worker: WorkerProcess, server: RedisServer
+):
+    client = plain_client(server.url)
+    handles = [client.send_task(TASK_NAME, kwargs={"prompt": f"restart {i}", "max_new_tokens": 120,
+                                                   "ignore_eos": True, "identifier": f"restart-{i}"},
+                                task_id=f"restart-{i}", queue=QUEUE) for i in range(12)]
+    wait_until(lambda: (worker.engine_stats(client) or {}).get("generated_tokens", 0) >= 24, 60, "generation")
+    server.restart(graceful=False)
+    wait_until(lambda: worker.ping(client), 60, "the worker to answer ping after a Redis crash")
+    server.restart(graceful=True)
+    wait_until(lambda: worker.ping(client), 60, "the worker to answer ping after a graceful Redis restart")
+    results = [handle.get(timeout=180) for handle in handles]
+    worker.check_alive()
+    assert all(r["usage"]["completion_tokens"] == 120 for r in results)
+    check = redis.Redis.from_url(server.url)
+    for i in range(12):
+        events = replay(check, f"restart-{i}")
+        assert len(finals(events)) == 1 and events[-1].is_terminal, [e.event for e in events]
+    log = worker.log_path.read_text()
+    assert "Connection to broker lost" in log  # the restarts did reach the worker
+
+
+def test_a_task_whose_result_is_stored_is_not_run_again(worker: WorkerProcess, server: RedisServer):
+    client = plain_client(server.url)
+    kwargs = {"prompt": "only once", "max_new_tokens": 8, "identifier": "once"}
+    first = client.send_task(TASK_NAME, kwargs=kwargs, task_id="once", queue=QUEUE).get(timeout=60)
+    client.send_task(TASK_NAME, kwargs=kwargs, task_id="once", queue=QUEUE)
+    wait_until(lambda: "task once delivered again after its result was stored" in worker.log_path.read_text(), 60,
+               "the worker to skip the second delivery")
+    check = redis.Redis.from_url(server.url)
+    events = replay(check, "once")
+    assert [e.attempt for e in finals(events)] == [first["attempt"]] == [1]
+    assert check.get("genq:attempt:once") == b"1"
+
+
+def test_the_watchdog_resends_lost_and_abandoned_requests_and_leaves_running_ones_alone(
+    worker: WorkerProcess, server: RedisServer
+):
+    client = plain_client(server.url)
+    check = redis.Redis.from_url(server.url)
+    watchdog = Watchdog(client, check, after_s=0)
+    # Lost: tracked as sent, but its message never reached Redis (as when a pop is lost).
+    lost = {"prompt": "lost", "max_new_tokens": 8, "identifier": "lost-1"}
+    watchdog.track("lost-1", lost, QUEUE)
+    # Abandoned: what a worker killed mid-run leaves when Redis then loses the unacknowledged
+    # message: a STARTED state, no lease, no new events.
+    ghost = {"prompt": "ghost", "max_new_tokens": 8, "identifier": "ghost-1"}
+    client.backend.store_result("ghost-1", {"pid": 0, "hostname": "gone"}, states.STARTED)
+    watchdog.track("ghost-1", ghost, QUEUE)
+    # Running: a long generation whose worker holds its lease.
+    running = {"prompt": "running", "max_new_tokens": 400, "ignore_eos": True, "identifier": "running-1"}
+    handle = client.send_task(TASK_NAME, kwargs=running, task_id="running-1", queue=QUEUE)
+    watchdog.track("running-1", running, QUEUE)
+    wait_until(lambda: len(replay(check, "running-1")) >= 2, 60, "running-1 to stream")
+    assert watchdog.check() == ["lost-1"]  # the ghost's STARTED state counts as progress once
+    second = watchdog.check()  # (lost-1 may go again: after_s is 0 and its resend may still be queued)
+    assert "ghost-1" in second and "running-1" not in second
+    assert handle.get(timeout=120)["usage"]["completion_tokens"] == 400
+    for task_id in ("lost-1", "ghost-1"):
+        assert client.AsyncResult(task_id).get(timeout=60)["id"] == task_id
+    watchdog.check()
+    assert watchdog.tracked == {}
+    assert [e.attempt for e in finals(replay(check, "running-1"))] == [1]
+
+
+def test_the_worker_warns_at_start_when_redis_has_no_persistence(model: Path, tmp_path: Path):
+    with RedisServer(tmp_path / "volatile", persistence="none") as volatile:
+        process = WorkerProcess(model, volatile.url, QUEUE, "volatile", tmp_path / "volatile.log", OPTIONS)
+        process.start().wait_ready(plain_client(volatile.url))
+        process.stop()
+    assert "REDIS HAS NO PERSISTENCE" in process.log_path.read_text()
+
+
+def test_the_worker_on_a_durable_redis_does_not_warn(worker: WorkerProcess):
+    assert "REDIS HAS NO PERSISTENCE" not in worker.log_path.read_text()
+
+
+def test_a_worker_that_cannot_start_its_engine_exits_non_zero(server: RedisServer, tmp_path: Path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    process = WorkerProcess(broken, server.url, QUEUE, "broken", tmp_path / "broken.log", OPTIONS)
+    assert process.start().wait(120) != 0
+
+
+
+def test_a_client_with_a_watchdog_resends_what_the_broker_lost(
+    worker: WorkerProcess, server: RedisServer, monkeypatch: pytest.MonkeyPatch
+):
+    celery = plain_client(server.url)
+    check = redis.Redis.from_url(server.url)
+    celery.control.cancel_consumer(QUEUE, destination=[worker.node], reply=True)
+    monkeypatch.setenv("GENQ_WATCHDOG_AFTER_S", "1")
+    with GenqClient(server.url, queue=QUEUE) as client:
+        handle = client.submit({"prompt": "lost in the broker", "max_new_tokens": 8, "identifier": "dropped-1"})
+        assert check.delete(QUEUE) == 1  # the message is gone, as when a pop is lost
+        celery.control.add_consumer(QUEUE, destination=[worker.node], reply=True)
+        result = handle.result(timeout=60)
+        assert result.usage.completion_tokens == 8 and client.watchdog is not None
+        assert client.watchdog.resent == 1

@@ -1,0 +1,84 @@
+"""Prometheus metrics of one worker, served over HTTP for alerting and autoscaling.
+
+Gauges and counters are read from the engine loop's stats at scrape time (the
+engine already counts them; nothing is counted twice), so a scrape always sees
+the same figures as `celery inspect engine_stats` and Flower. Latency
+histograms are observed by the engine loop as each request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from producer.protocol import Timings, Usage
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+OUTCOMES = ("completed", "failed", "cancelled", "expired", "requeued")
+
+
+class EngineCollector:
+    """Engine and loop stats as Prometheus metrics, computed when scraped."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield GaugeMetricFamily("genq_running_jobs", "Jobs in the engine's batch", value=s["active_jobs"])
+        yield GaugeMetricFamily("genq_waiting_jobs", "Jobs waiting for the engine", value=s["pending_jobs"])
+        yield GaugeMetricFamily("genq_kv_cache_usage_ratio", "Fraction of KV cache pages in use",
+                                value=s["pages_used"] / s["pages_total"] if s["pages_total"] else 0.0)
+        pages = GaugeMetricFamily("genq_kv_cache_pages", "KV cache pages by state", labels=["state"])
+        for state in ("used", "free", "cached"):
+            pages.add_metric([state], s[f"pages_{state}"])
+        yield pages
+        yield GaugeMetricFamily("genq_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache",
+                                value=s["prefix_hit_rate"])
+        yield CounterMetricFamily("genq_preemptions", "Jobs preempted to free KV cache", value=s["preemptions"])
+        prompt = CounterMetricFamily("genq_prompt_tokens", "Prompt tokens by source", labels=["source"])
+        prompt.add_metric(["computed"], s["prompt_tokens_computed"])
+        prompt.add_metric(["cached"], s["prompt_tokens_cached"])
+        yield prompt
+        yield CounterMetricFamily("genq_generation_tokens", "Generated tokens", value=s["generated_tokens"])
+        yield CounterMetricFamily("genq_speculative_draft_tokens", "Draft tokens proposed",
+                                  value=s["drafted_tokens"])
+        yield CounterMetricFamily("genq_speculative_accepted_tokens", "Draft tokens accepted",
+                                  value=s["accepted_draft_tokens"])
+        requests = CounterMetricFamily("genq_requests", "Requests finished by the engine loop", labels=["outcome"])
+        for outcome in OUTCOMES:
+            requests.add_metric([outcome], s[outcome])
+        yield requests
+
+
+class WorkerMetrics:
+    """The worker's registry: the engine collector plus latency histograms."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, registry=self.registry, buckets=LATENCY_BUCKETS_S)
+
+        self.queue = histogram("genq_queue_time_seconds", "Time from the engine taking a job to its first forward")
+        self.ttft = histogram("genq_time_to_first_token_seconds", "Time from the engine taking a job to its first "
+                              "generated token")
+        self.itl = histogram("genq_inter_token_latency_seconds", "Mean time between a job's generated tokens")
+        self.e2e = histogram("genq_e2e_request_latency_seconds", "Time from the engine taking a job to its end")
+
+    def watch(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(EngineCollector(stats))
+
+    def observe(self, timings: Timings, usage: Usage) -> None:
+        """One finished job's latencies (the engine's own timings)."""
+        self.queue.observe(timings.queued_s)
+        self.ttft.observe(timings.queued_s + timings.prefill_s)
+        if usage.completion_tokens > 1:
+            self.itl.observe(timings.generate_s / (usage.completion_tokens - 1))
+        self.e2e.observe(timings.queued_s + timings.prefill_s + timings.generate_s)
+
+    def serve(self, port: int, address: str) -> None:
+        start_http_server(port, addr=address, registry=self.registry)
