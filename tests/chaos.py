@@ -228,9 +228,14 @@ def main() -> int:
     parser.add_argument("model", type=Path, help="HF model directory (e.g. one from `genq make-tiny-model`)")
     parser.add_argument("workdir", type=Path, help="where Redis's append-only file and the worker logs go")
     parser.add_argument("--tasks", type=int, default=ChaosPlan.tasks)
+    parser.add_argument("--worker-kills", type=int, default=ChaosPlan.worker_kills)
+    parser.add_argument("--redis-crashes", type=int, default=ChaosPlan.redis_crashes, help="kill -9 and restart")
+    parser.add_argument("--redis-restarts", type=int, default=ChaosPlan.redis_restarts, help="graceful restarts")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    figures = run_chaos(args.model, args.workdir, ChaosPlan(tasks=args.tasks))
+    plan = ChaosPlan(tasks=args.tasks, worker_kills=args.worker_kills, redis_crashes=args.redis_crashes,
+                     redis_restarts=args.redis_restarts)
+    figures = run_chaos(args.model, args.workdir, plan)
     print(json.dumps(figures.summary(), indent=2))
     return 0
 

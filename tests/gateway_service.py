@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import openai
@@ -24,7 +22,7 @@ from celery import Celery
 from producer.client import GenqClient
 from producer.signing import signed_headers
 from tests.service import plain_client
-from worker.processes import ROOT, WorkerProcess, free_port, wait_until
+from worker.processes import ChildProcess, WorkerProcess, free_port, genq_command, wait_until
 
 QUEUE = "genq-gateway"
 CALLBACK_QUEUE = "genq-gateway-callbacks"
@@ -67,48 +65,36 @@ def service_env(redis_url: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def callback_worker(redis_url: str, celery_client: Celery,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
-    log = (tmp_path_factory.mktemp("callbacks") / "callbacks.log").open("wb")
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChildProcess]:
     env = {**service_env(redis_url), "GENQ_CALLBACK_BACKOFF_S": "1", "GENQ_CALLBACK_MAX_RETRIES": "4"}
-    process = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "INFO", "callback-worker"],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log = tmp_path_factory.mktemp("callbacks") / "callbacks.log"
     node = f"genq-callbacks@{socket.gethostname()}"  # the name the compose healthcheck pings
-    try:
-        wait_until(lambda: celery_client.control.ping(destination=[node], timeout=0.5), 60,
+    with ChildProcess("callback worker", genq_command("callback-worker"), log, env) as process:
+        wait_until(lambda: process.check_alive() or celery_client.control.ping(destination=[node], timeout=0.5), 60,
                    "the callback worker to answer ping")
         yield process
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
 
 
-@dataclass
-class GatewayProcess:
-    """`genq gateway` in a subprocess, its stdout and stderr (uvicorn's logs) in `log_path`."""
+class GatewayProcess(ChildProcess):
+    """`genq gateway` on a free port, its stdout and stderr (uvicorn's logs) in `log_path`."""
 
-    url: str
-    log_path: Path
-    process: subprocess.Popen
-
-    @classmethod
-    def start(cls, env: dict[str, str], log_path: Path) -> GatewayProcess:
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
         port = free_port()
-        with log_path.open("wb") as log:
-            # INFO: uvicorn's access log on, as an operator who wants one runs it.
-            command = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "gateway", "--port", str(port)]
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        started = cls(f"http://127.0.0.1:{port}", log_path, process)
+        self.url = f"http://127.0.0.1:{port}"
+        # INFO: uvicorn's access log on, as an operator who wants one runs it.
+        super().__init__("gateway", genq_command("gateway", "--port", str(port)), log_path, env)
+
+    def start(self) -> Self:
+        super().start()
         try:
-            wait_until(started.healthy, 30, "the gateway to answer /healthz")
+            wait_until(self.healthy, 30, "the gateway to answer /healthz")
         except BaseException:
-            started.stop()
+            self.stop()
             raise
-        return started
+        return self
 
     def healthy(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {self.process.returncode}:\n{self.log()}")
+        self.check_alive()
         try:
             return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
         except httpx.TransportError:
@@ -117,16 +103,12 @@ class GatewayProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-
 
 @pytest.fixture(scope="module")
 def gateway_process(worker: WorkerProcess, redis_url: str,
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     env = {**service_env(redis_url), "GENQ_GATEWAY_TOKEN": TOKEN, "GENQ_GATEWAY_MODEL_NAME": MODEL}
-    started = GatewayProcess.start(env, tmp_path_factory.mktemp("gateway") / "gateway.log")
+    started = GatewayProcess(env, tmp_path_factory.mktemp("gateway") / "gateway.log").start()
     try:
         yield started
     finally:

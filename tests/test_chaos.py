@@ -1,7 +1,8 @@
 """Chaos: short tasks through real workers while workers are SIGKILLed, Redis
 is killed -9 (append-only file on) and restarted gracefully, and poison
 messages are interleaved. Nothing may be lost or finish twice (issue 14,
-issue 17). The default run is a small one; `make chaos` runs 1,000 tasks."""
+issue 17). The default run is a small one; `make chaos` runs 1,000 tasks, once
+with one Redis fault of each kind and once with eight of each."""
 
 from __future__ import annotations
 
@@ -34,3 +35,10 @@ def test_small_chaos_run_loses_nothing_and_finishes_nothing_twice(tiny_model_fac
 def test_full_chaos_run_of_1000_tasks(tiny_model_factory: Callable[..., Path], tmp_path: Path):
     model = tiny_model_factory("llama", max_position_embeddings=1024)
     check(run_chaos(model, tmp_path, ChaosPlan()))
+
+
+@pytest.mark.chaos
+def test_chaos_run_through_repeated_redis_restarts(tiny_model_factory: Callable[..., Path], tmp_path: Path):
+    """Issue 17's reproductions restarted Redis eight times each way; so does this run."""
+    model = tiny_model_factory("llama", max_position_embeddings=1024)
+    check(run_chaos(model, tmp_path, ChaosPlan(redis_crashes=8, redis_restarts=8)))

@@ -7,7 +7,6 @@ clients that know nothing of genq: the official openai package, raw HTTP with SS
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
     signed_post,
     worker,
 )
-from worker.processes import WorkerProcess, wait_until
+from worker.processes import ChildProcess, WorkerProcess, wait_until
 
 # --- signatures (no server) -------------------------------------------------------------
 
@@ -159,7 +158,7 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_it(gateway: str, wo
 
 
 def test_signed_webhook_streams_over_sse_and_its_callback_survives_two_failures(
-    gateway: str, callback_worker: subprocess.Popen, receiver: tuple[Receiver, str]
+    gateway: str, callback_worker: ChildProcess, receiver: tuple[Receiver, str]
 ):
     state, receiver_url = receiver
     response, _, _ = signed_post(gateway, {"prompt": "The weather today", "max_new_tokens": 16,
@@ -197,7 +196,7 @@ def test_signed_webhook_streams_over_sse_and_its_callback_survives_two_failures(
 
 
 def test_a_failed_generation_is_called_back_with_its_error(
-    gateway: str, callback_worker: subprocess.Popen, receiver: tuple[Receiver, str]
+    gateway: str, callback_worker: ChildProcess, receiver: tuple[Receiver, str]
 ):
     state, receiver_url = receiver
     state.failures = 0

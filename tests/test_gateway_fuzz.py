@@ -170,7 +170,7 @@ def fuzz_gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> It
     env = {**service_env(redis_url), "GENQ_QUEUE": FUZZ_QUEUE, "GENQ_GATEWAY_TOKEN": TOKEN,
            "GENQ_GATEWAY_MODEL_NAME": MODEL, "GENQ_GATEWAY_MAX_QUEUE_DEPTH": "0",
            "GENQ_GATEWAY_STREAM_IDLE_TIMEOUT_S": "0.2", "GENQ_GATEWAY_MAX_BODY_BYTES": "65536"}
-    started = GatewayProcess.start(env, tmp_path_factory.mktemp("fuzz-gateway") / "gateway.log")
+    started = GatewayProcess(env, tmp_path_factory.mktemp("fuzz-gateway") / "gateway.log").start()
     try:
         yield started
     finally:

@@ -59,7 +59,7 @@ def idle_gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> It
     env = {**service_env(redis_url), "GENQ_QUEUE": IDLE_QUEUE, "GENQ_GATEWAY_TOKEN": TOKEN,
            "GENQ_GATEWAY_MAX_QUEUE_DEPTH": str(IDLE_QUEUE_LIMIT)}
     del env["GENQ_CALLBACK_ALLOW_PRIVATE_HOSTS"]
-    started = GatewayProcess.start(env, tmp_path_factory.mktemp("idle-gateway") / "gateway.log")
+    started = GatewayProcess(env, tmp_path_factory.mktemp("idle-gateway") / "gateway.log").start()
     try:
         yield started
     finally:

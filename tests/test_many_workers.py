@@ -3,36 +3,20 @@ shows each one's engine stats, and a SIGKILL of one mid-run loses nothing."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import redis
 from celery import Celery
 
 from producer.protocol import TASK_NAME
 from tests.service import replay
-from worker.processes import ROOT, WorkerProcess, free_port, wait_until
+from worker.processes import FlowerProcess, WorkerProcess, wait_until
 
 QUEUE = "genq-many"
 TASKS = 36
 # Long enough that the first worker is still generating when it is killed (checked just before).
 TOKENS = 600
-
-
-def flower_engines(port: int, nodes: list[str]) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/workers?refresh=1", timeout=10) as reply:
-            workers = json.load(reply)
-    except OSError:
-        return None
-    engines = {node: workers.get(node, {}).get("stats", {}).get("engine") for node in nodes}
-    return engines if all(isinstance(e, dict) for e in engines.values()) else None
 
 
 def test_three_workers_share_a_queue_and_a_sigkill_of_one_loses_nothing(
@@ -44,11 +28,7 @@ def test_three_workers_share_a_queue_and_a_sigkill_of_one_loses_nothing(
     options = {"cache_tokens": 8192, "page_size": 16, "concurrency": 12, "visibility_timeout": 20}
     workers = [WorkerProcess(model, redis_url, QUEUE, f"many{i}", tmp_path / f"many{i}.log", options).start()
                for i in range(3)]
-    port = free_port()
-    log = (tmp_path / "flower.log").open("wb")
-    flower = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "flower", "--port", str(port), "--redis-url", redis_url], cwd=ROOT,
-        env={**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}, stdout=log, stderr=subprocess.STDOUT)
+    flower = FlowerProcess(redis_url, tmp_path / "flower.log").start()
     try:
         for worker in workers:
             worker.wait_ready(client)
@@ -61,7 +41,7 @@ def test_three_workers_share_a_queue_and_a_sigkill_of_one_loses_nothing(
             return all(s and s["active_jobs"] > 0 and s["generated_tokens"] > 0 for s in stats)
 
         wait_until(all_generating, 120, "every worker to be generating")
-        engines = wait_until(lambda: flower_engines(port, [w.node for w in workers]), 60,
+        engines = wait_until(lambda: flower.engine_stats([w.node for w in workers]), 60,
                              "Flower to report the three engines", interval=0.5)
         assert all(engine["submitted"] > 0 for engine in engines.values())
         doomed = workers[0].engine_stats(client)
@@ -77,8 +57,6 @@ def test_three_workers_share_a_queue_and_a_sigkill_of_one_loses_nothing(
         survivors = [w.engine_stats(client) for w in workers[1:]]
         assert all(s is not None and s["completed"] > 0 for s in survivors)
     finally:
-        flower.terminate()
-        flower.wait(10)
-        log.close()
+        flower.stop(10)
         for worker in workers:
             worker.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import redis
 
 from producer.client import GenqClient
-from worker.processes import RedisServer, WorkerProcess, free_port, reachable, stop_process, wait_until
+from worker.processes import ChildProcess, RedisServer, WorkerProcess, free_port, reachable, wait_until
 
 MASTER = "genqmaster"
 QUEUE = "genq-sentinel"
@@ -36,10 +35,8 @@ class Sentinel:
         )
         binary = shutil.which("redis-server")
         assert binary is not None
-        log = (workdir / "sentinel.log").open("ab")
-        self.process = subprocess.Popen([binary, str(self.conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        log.close()
+        self.process = ChildProcess("sentinel", [binary, str(self.conf), "--sentinel"], workdir / "sentinel.log")
+        self.process.start()
         self.client = redis.Redis(port=self.port, socket_connect_timeout=1, decode_responses=True)
         wait_until(lambda: reachable(f"redis://127.0.0.1:{self.port}"), 20, "the Sentinel to answer PING")
 
@@ -51,7 +48,7 @@ class Sentinel:
         return int(self.client.sentinel_get_master_addr_by_name(MASTER)[1])
 
     def stop(self) -> None:
-        stop_process(self.process, 20)
+        self.process.stop(20)
 
 
 @pytest.fixture()

@@ -4,12 +4,7 @@ processes, tasks sent with a plain Celery client."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import signal
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +17,7 @@ from engine import Generator, Job
 from producer.control import request_cancel
 from producer.protocol import TASK_NAME, StreamEvent, channel_name, stream_key
 from tests.service import chunk_text, next_event, replay
-from worker.processes import ROOT, WorkerProcess, free_port, wait_until
+from worker.processes import FlowerProcess, WorkerProcess, wait_until
 
 QUEUE = "genq-test"
 ENGINE_OPTIONS = {"cache_tokens": 16384, "page_size": 16}
@@ -207,27 +202,10 @@ def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
 def test_flower_api_shows_the_engine_stats_of_a_running_worker(
     worker: WorkerProcess, redis_url: str, tmp_path: Path
 ):
-    port = free_port()
-    log = (tmp_path / "flower.log").open("wb")
-    flower = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "flower", "--port", str(port), "--redis-url", redis_url],
-        cwd=ROOT, env={**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}, stdout=log, stderr=subprocess.STDOUT,
-    )
-
-    def engine_in_flower() -> dict[str, Any] | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/workers?refresh=1", timeout=10) as reply:
-                workers = json.load(reply)
-        except OSError:
-            return None
-        return workers.get(worker.node, {}).get("stats", {}).get("engine")
-
-    try:
-        engine = wait_until(engine_in_flower, 60, "Flower to report the worker's engine stats", interval=0.5)
-    finally:
-        flower.terminate()
-        flower.wait(10)
-        log.close()
+    with FlowerProcess(redis_url, tmp_path / "flower.log") as flower:
+        engines = wait_until(lambda: flower.engine_stats([worker.node]), 60,
+                             "Flower to report the worker's engine stats", interval=0.5)
+    engine = engines[worker.node]
     assert isinstance(engine, dict)
     assert engine["pages_total"] == ENGINE_OPTIONS["cache_tokens"] // ENGINE_OPTIONS["page_size"]
     assert {"active_jobs", "pending_jobs", "pages_used", "pages_free", "pages_cached", "generated_tokens_per_s",

@@ -19,13 +19,23 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from celery import Celery
 
 from producer.protocol import TASK_NAME, StreamEvent, channel_name
-from worker.processes import RedisServer, free_port, reachable, stop_process, wait_until
+from worker.processes import (
+    ChildProcess,
+    FlowerProcess,
+    RedisServer,
+    WorkerProcess,
+    reachable,
+    stop_process,
+    wait_until,
+)
 
+ChildProcessT = TypeVar("ChildProcessT", bound=ChildProcess)
 STOP_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 300.0
 DEMO_PROMPT = "Once upon a time"
@@ -47,17 +57,18 @@ class Services:
         self.workdir = workdir
         self.children: list[tuple[str, subprocess.Popen]] = []
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = (self.workdir / f"{name}.log").open("wb")
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
-        self.children.append((name, process))
-        return process
+    def add(self, name: str, child: ChildProcessT) -> ChildProcessT:
+        """Start a child whose log is `{name}.log` in the work directory."""
+        child.start()
+        assert child.process is not None
+        self.children.append((name, child.process))
+        return child
 
     def check_alive(self) -> None:
         for name, process in self.children:
             if process.poll() is not None:
-                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                log = self.workdir / f"{name}.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
                 raise DevError(f"{name} exited with code {process.returncode}; its log ends with:\n{tail}")
 
     def stop(self) -> None:
@@ -124,11 +135,6 @@ def resolve_model(model: str | None) -> tuple[Path, bool]:
     return path, False
 
 
-def engine_ready(client: Celery, node: str) -> bool:
-    replies = client.control.broadcast("engine_stats", destination=[node], reply=True, timeout=1.0)
-    return any(isinstance(r.get(node), dict) and "pages_free" in r[node] for r in replies)
-
-
 def stream_demo(client: Celery, redis_url: str, queue: str, max_new_tokens: int, chat: bool) -> None:
     """Subscribe first, then send: the documented way to see every event. A chat
     model gets a question; the random-weight fallback a prompt to continue."""
@@ -175,18 +181,18 @@ def run(model: str | None, max_new_tokens: int, flower_port: int | None) -> int:
         try:
             redis_url = start_redis(services)
             model_dir, chat = resolve_model(model)
-            env = {**os.environ, "GENQ_REDIS_URL": redis_url, "FLOWER_UNAUTHENTICATED_API": "true"}
-            node = f"genq-dev-{os.getpid()}@localhost"
-            worker = services.spawn("worker", [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "worker",
-                                               "--model", str(model_dir), "--hostname", node], env)
-            port = flower_port or free_port()
-            flower = services.spawn("flower", [sys.executable, "-m", "worker.cli", "flower", "--port", str(port)], env)
+            queue = os.environ.get("GENQ_QUEUE", "genq")
+            # The user's GENQ_* settings (device, cache size, ...) apply to the worker.
+            worker = WorkerProcess(model_dir, redis_url, queue, f"genq-dev-{os.getpid()}",
+                                   services.workdir / "worker.log", inherit_settings=True)
+            services.add("worker", worker)
+            flower = services.add("flower", FlowerProcess(redis_url, services.workdir / "flower.log", flower_port))
             client = Celery("genq-dev", broker=redis_url, backend=redis_url)
             say(f"loading the model in the worker (pid {worker.pid}); logs in {workdir}")
-            wait_for(lambda: engine_ready(client, node), services, READY_TIMEOUT_S, "the worker's engine")
-            stream_demo(client, redis_url, os.environ.get("GENQ_QUEUE", "genq"), max_new_tokens, chat)
+            wait_for(lambda: worker.engine_stats(client, timeout=1.0), services, READY_TIMEOUT_S, "the worker's engine")
+            stream_demo(client, redis_url, queue, max_new_tokens, chat)
             pids = " ".join(f"{name}={process.pid}" for name, process in services.children)
-            say(f"Flower: http://127.0.0.1:{port}/ (pid {flower.pid})")
+            say(f"Flower: {flower.url} (pid {flower.pid})")
             say(f"processes: {pids}")
             say("genq is running; press Ctrl-C to stop")
             while True:

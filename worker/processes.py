@@ -8,6 +8,7 @@ the readiness checks cannot drift apart between them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,10 +16,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import redis
 from celery import Celery
@@ -140,37 +142,113 @@ class RedisServer:
         self.stop()
 
 
-@dataclass
-class WorkerProcess:
-    """`python -m worker.cli worker ...`: a worker exactly as deployed. GENQ_*
-    variables are removed from its environment so only the options given here
-    (and the defaults) apply; `options` are worker command-line options."""
+def genq_command(*args: str, log_level: str = "INFO") -> list[str]:
+    """`genq ...` as this interpreter runs it (no console script needed)."""
+    return [sys.executable, "-m", "worker.cli", "--log-level", log_level, *args]
 
-    model: Path
-    redis_url: str
-    queue: str
+
+@dataclass
+class ChildProcess:
+    """A command in its own session (so a terminal's Ctrl-C reaches only the
+    parent, which stops its children in order), its output in `log_path`."""
+
     name: str
+    args: list[str]
     log_path: Path
-    options: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] | None = None
     process: subprocess.Popen | None = None
-    _log: IO[bytes] | None = None
+
+    def start(self) -> Self:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.args, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def check_alive(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode}; its log ends with:\n"
+                               f"{self.log_tail()}")
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+    def wait(self, timeout: float = 60) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        if self.process is not None:
+            stop_process(self.process, timeout)
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class FlowerProcess(ChildProcess):
+    """`genq flower` on a free port with its /api open (FLOWER_UNAUTHENTICATED_API)."""
+
+    def __init__(self, redis_url: str, log_path: Path, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        super().__init__("flower", genq_command("flower", "--port", str(self.port), "--redis-url", redis_url),
+                         log_path, {**(env if env is not None else os.environ), "FLOWER_UNAUTHENTICATED_API": "true"})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def engine_stats(self, nodes: list[str]) -> dict[str, dict[str, Any]] | None:
+        """Each node's engine stats as Flower's /api/workers shows them; None until it shows them all."""
+        try:
+            with urllib.request.urlopen(f"{self.url}api/workers?refresh=1", timeout=10) as reply:
+                workers = json.load(reply)
+        except OSError:
+            return None
+        engines = {node: workers.get(node, {}).get("stats", {}).get("engine") for node in nodes}
+        return engines if all(isinstance(e, dict) for e in engines.values()) else None
+
+
+class WorkerProcess(ChildProcess):
+    """`genq worker ...`: a worker exactly as deployed. GENQ_* variables are
+    removed from its environment (unless `inherit_settings`) so only the
+    options given here (and the defaults) apply; `options` are worker
+    command-line options."""
+
+    def __init__(self, model: Path, redis_url: str, queue: str, name: str, log_path: Path,
+                 options: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 inherit_settings: bool = False) -> None:
+        self.model = model
+        self.redis_url = redis_url
+        self.queue = queue
+        self.options = options or {}
+        args = genq_command("worker", "--model", str(model), "--redis-url", redis_url, "--queue", queue,
+                            "--hostname", f"{name}@genq")
+        for option, value in self.options.items():
+            args += [f"--{option.replace('_', '-')}", str(value)]
+        inherited = {k: v for k, v in os.environ.items() if inherit_settings or not k.startswith("GENQ_")}
+        super().__init__(name, args, log_path, {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     @property
     def node(self) -> str:
         return f"{self.name}@genq"
-
-    def start(self) -> Self:
-        args = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "worker", "--model", str(self.model),
-                "--redis-url", self.redis_url, "--queue", self.queue, "--hostname", self.node]
-        for option, value in self.options.items():
-            args += [f"--{option.replace('_', '-')}", str(value)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GENQ_")}
-        env.update(PYTHONUNBUFFERED="1", **self.env)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
-        self.process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        return self
 
     def wait_ready(self, client: Celery, timeout: float = 120) -> dict[str, Any]:
         """Until the engine answers `engine_stats`: the model is loaded and the loop runs."""
@@ -180,10 +258,6 @@ class WorkerProcess:
             return self.engine_stats(client, timeout=0.5)
 
         return wait_until(engine_up, timeout, f"worker {self.node} to load its engine")
-
-    def check_alive(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(f"worker {self.node} exited with {self.process.returncode}:\n{self.log_tail()}")
 
     def engine_stats(self, client: Celery, timeout: float = 2.0) -> dict[str, Any] | None:
         """The worker's `engine_stats` control reply; None until its engine is up."""
@@ -199,37 +273,3 @@ class WorkerProcess:
         except (redis.RedisError, OperationalError, OSError):
             return False
         return any(self.node in reply for reply in replies)
-
-    def signal(self, signum: int) -> None:
-        assert self.process is not None
-        self.process.send_signal(signum)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.wait()
-
-    def wait(self, timeout: float = 60) -> int:
-        assert self.process is not None
-        code = self.process.wait(timeout)
-        if self._log is not None:
-            self._log.close()
-        return code
-
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        elif self._log is not None:
-            self._log.close()
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
