@@ -22,10 +22,18 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.retry
 import redis.asyncio.sentinel
+import redis.retry
 import redis.sentinel
+from redis.backoff import ExponentialWithJitterBackoff
 
 SENTINEL_SCHEME = "sentinel"
+#: A command on a connection that a Redis restart closed is retried on a new one (redis-py 8 does not
+#: retry by default); five tries with backoff up to 1 s ride out a restart without waiting long when
+#: Redis is really down (callers then see the ConnectionError and decide).
+RETRIES = 5
+RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
 
 
 @dataclass(frozen=True)
@@ -69,8 +77,15 @@ def _master_name(url: str, master_name: str | None) -> str:
     return master_name
 
 
+def _backoff() -> ExponentialWithJitterBackoff:
+    return ExponentialWithJitterBackoff(base=0.05, cap=1.0)
+
+
 def connect(url: str, master_name: str | None = None, **options: Any) -> redis.Redis:
-    """A redis-py client for a plain or Sentinel URL (options as for redis.Redis)."""
+    """A redis-py client for a plain or Sentinel URL (options as for redis.Redis),
+    retrying a command that meets a closed connection."""
+    options.setdefault("retry", redis.retry.Retry(_backoff(), RETRIES))
+    options.setdefault("retry_on_error", RETRY_ON)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)
@@ -80,6 +95,8 @@ def connect(url: str, master_name: str | None = None, **options: Any) -> redis.R
 
 def connect_async(url: str, master_name: str | None = None, **options: Any) -> redis.asyncio.Redis:
     """connect() for asyncio."""
+    options.setdefault("retry", redis.asyncio.retry.Retry(_backoff(), RETRIES))
+    options.setdefault("retry_on_error", RETRY_ON)
     if not is_sentinel_url(url):
         return redis.asyncio.Redis.from_url(url, **options)
     target = parse_sentinel_url(url)

@@ -1,13 +1,16 @@
 """A worker on a Redis that restarts (kill -9 and graceful, append-only file
 on) keeps serving and runs nothing twice; a request lost by the broker is sent
 again by the producer's watchdog; a Redis without persistence is warned about
-(issue 17, cases 3, 4, 5, 7). Each test owns its redis-server: they restart it."""
+(issue 17, cases 3, 4, 5, 7); the gateway and the client reconnect too
+(issue 14). Each test owns its redis-server: they restart it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import redis
 from celery import states
@@ -15,6 +18,7 @@ from celery import states
 from producer.client import GenqClient
 from producer.protocol import TASK_NAME, StreamEvent
 from producer.watchdog import Watchdog
+from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, service_env
 from tests.service import plain_client, replay
 from worker.processes import RedisServer, WorkerProcess, wait_until
 
@@ -66,6 +70,40 @@ def test_the_worker_carries_on_through_a_redis_crash_and_a_graceful_restart(
         assert len(finals(events)) == 1 and events[-1].is_terminal, [e.event for e in events]
     log = worker.log_path.read_text()
     assert "Connection to broker lost" in log  # the restarts did reach the worker
+
+
+def test_the_gateway_and_the_client_carry_on_through_a_redis_crash_and_a_graceful_restart(
+    worker: WorkerProcess, server: RedisServer, tmp_path: Path
+):
+    env = {**service_env(server.url), "GENQ_QUEUE": QUEUE, "GENQ_GATEWAY_TOKEN": TOKEN,
+           "GENQ_GATEWAY_MODEL_NAME": MODEL}
+    gateway = GatewayProcess(env, tmp_path / "gateway.log").start()
+    oai = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    try:
+        with GenqClient(server.url, queue=QUEUE) as client:
+            for round_, graceful in enumerate([None, False, True]):
+                if graceful is not None:
+                    server.restart(graceful=graceful)
+                # The same client and gateway, on connections the restart cut.
+                request = {"prompt": f"client {round_}", "max_new_tokens": 8, "ignore_eos": True}
+                result = client.submit(request).result(timeout=120)
+                assert result.usage.completion_tokens == 8
+                completion = oai.completions.create(model=MODEL, prompt=f"gateway {round_}", max_tokens=8,
+                                                    extra_body={"ignore_eos": True})
+                assert completion.usage.completion_tokens == 8
+                gateway.check_alive()
+            # While Redis is down: a 503 the caller may retry, in the gateway's one error shape, never a 500.
+            server.stop()
+            down = httpx.post(f"{gateway.url}/v1/completions", headers=bearer(), timeout=60,
+                              json={"model": MODEL, "prompt": "down", "max_tokens": 2})
+            assert down.status_code == 503 and down.headers["Retry-After"], down.text
+            assert down.json()["error"]["code"] == "redis_unavailable"
+            server.start()
+            assert oai.completions.create(model=MODEL, prompt="back", max_tokens=2).choices[0].finish_reason
+            gateway.check_alive()
+    finally:
+        gateway.stop()
+    worker.check_alive()
 
 
 def test_a_task_whose_result_is_stored_is_not_run_again(worker: WorkerProcess, server: RedisServer):

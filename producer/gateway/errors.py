@@ -7,25 +7,31 @@ their usual exceptions and webhook senders parse one format:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import redis
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from kombu.exceptions import OperationalError
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+log = logging.getLogger(__name__)
+
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client left before the answer; logged, never received."""
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 """OpenAI answers invalid requests with 400; the native endpoints use 422, as FastAPI does."""
+REDIS_RETRY_AFTER_S = 2
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error"}
+          422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class ErrorDetail(BaseModel):
@@ -82,6 +88,15 @@ def install_handlers(app: FastAPI) -> None:
         # The client left while its body was being read (or the server refused the rest of it):
         # nobody reads an answer, and it is not the gateway's error to log with a traceback.
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(redis.RedisError)
+    @app.exception_handler(OperationalError)
+    async def _broker_down(request: Request, error: Exception) -> JSONResponse:
+        # Redis is unreachable (restarting, failing over) even after the clients' own retries:
+        # the caller may retry, which SDKs do on 503 with Retry-After.
+        log.warning("%s %s: Redis unavailable: %s", request.method, request.url.path, error)
+        return ApiError(503, "redis_unavailable", f"the queue is unavailable right now ({type(error).__name__}); "
+                        "retry shortly", headers={"Retry-After": str(REDIS_RETRY_AFTER_S)}).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
