@@ -128,7 +128,8 @@ segments = (st.text(max_size=30).map(lambda text: quote(text, safe=""))
 POSTS = [("POST", "/v1/tasks"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
 ENDPOINTS = [*POSTS, *POSTS, *POSTS,  # the bodies have the most to explore
              ("GET", "/v1/tasks/{}"), ("DELETE", "/v1/tasks/{}"), ("GET", "/v1/tasks/{}/events"),
-             ("GET", "/v1/models"), ("GET", "/v1/models/{}"), ("GET", "/healthz"), ("PUT", "/v1/tasks/{}"),
+             ("GET", "/v1/models"), ("GET", "/v1/models/{}"), ("GET", "/healthz"), ("GET", "/metrics"),
+             ("PUT", "/v1/tasks/{}"),
              ("GET", "/{}")]
 
 

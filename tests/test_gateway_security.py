@@ -27,7 +27,7 @@ from producer.callbacks import create_app as create_callback_app
 from producer.client import GenqClient
 from producer.gateway.errors import ErrorBody
 from producer.gateway.logs import REDACTED
-from producer.protocol import TASK_NAME, GenerationResult, Timings, Usage, channel_name
+from producer.protocol import IDENTIFIER_PATTERN, TASK_NAME, GenerationResult, Timings, Usage, channel_name
 from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
     QUEUE,
     SECRET,
@@ -47,6 +47,7 @@ from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
     worker,
 )
 from tests.service import next_event
+from worker.processes import ROOT
 
 IDLE_QUEUE = "genq-gateway-security-idle"
 IDLE_QUEUE_LIMIT = 50
@@ -340,3 +341,34 @@ def test_task_ids_that_would_make_unsafe_redis_keys_are_refused(worker: Any, cel
     unsafe = [key for key in redis_client.keys("*") if re.search(rb"[\s*?\[\]\x00]", key)]
     assert not unsafe
     assert genq.submit({"prompt": "still serving", "max_new_tokens": 2}).result(timeout=60).finish_reason
+
+
+# --- every key the service writes is documented ----------------------------------------------
+
+def documented_genq_keys() -> list[re.Pattern[str]]:
+    """The `{prefix}:...` names of docs/protocol.md section 4, as patterns for the default prefix."""
+    section = (ROOT / "docs" / "protocol.md").read_text().split("## 4. Redis names", 1)[1].split("\n## ", 1)[0]
+    names = re.findall(r"^\| `(\{prefix\}:[^`]+)` \|", section, re.M)
+    assert len(names) >= 9, names
+    identifier = IDENTIFIER_PATTERN.strip("^$")
+    parts = {"{prefix}": "genq", "{id}": identifier, "{task id}": identifier, "{digest}": "[0-9A-Za-z_-]+"}
+    patterns = []
+    for name in names:
+        pattern = re.escape(name)
+        for placeholder, replacement in parts.items():
+            pattern = pattern.replace(re.escape(placeholder), replacement)
+        assert "\\{" not in pattern, f"undocumented placeholder in {name}"
+        patterns.append(re.compile(pattern))
+    return patterns
+
+
+def test_every_key_genq_wrote_is_documented_in_the_protocol(redis_client: redis.Redis):
+    """Runs last in this module, after webhooks, callbacks, cancels and refusals wrote their keys."""
+    patterns = documented_genq_keys()
+    keys = [key.decode() for key in redis_client.scan_iter(match="genq:*", count=1000)]
+    assert len({key.split(":")[1] for key in keys}) >= 4  # events, attempt, task, final, ... were written
+    undocumented = [key for key in keys if not any(p.fullmatch(key) for p in patterns)]
+    assert not undocumented, undocumented
+    results = [key.decode() for key in redis_client.scan_iter(match="celery-task-meta-*", count=1000)]
+    identifier = re.compile(IDENTIFIER_PATTERN)
+    assert results and all(identifier.fullmatch(key.removeprefix("celery-task-meta-")) for key in results)
