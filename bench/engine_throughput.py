@@ -86,6 +86,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import Generator, Tokenizer
 from engine.gguf_file import GGUFFile, is_gguf
+from engine.progress import LoadProgress
 from engine.tiny_model import PRESETS, count_parameters
 
 SYSTEMS = ("engine", "hf-padded", "hf-cb")
@@ -262,7 +263,7 @@ def bench_engine(
     cache_tokens = pages_needed(requests, args.page_size) * args.page_size
     gen = Generator.from_pretrained(
         path, cache_tokens=cache_tokens, page_size=args.page_size,
-        max_batch_size=len(requests), max_chunk_size=args.chunk_size,
+        max_batch_size=len(requests), max_chunk_size=args.chunk_size, progress=LoadProgress(),
     )
     run_engine(gen, warmup)
     trace = run_engine(gen, requests)

@@ -7,7 +7,7 @@ load; the vectorized torch code below works on every block of a tensor at once
 and is written from the block layouts in ggml's `ggml-common.h`.
 
 Output element order follows ggml's reference dequantizers; the formulas are
-checked against the `gguf` package's numpy dequantizer in tests/test_gguf_dequant.py.
+checked against the `gguf` package's numpy dequantizer in tests/test_gguf_loading.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ the HF directory they were written from, and bad files refused by name."""
 
 from __future__ import annotations
 
+import io
+import logging
 import random
 import shutil
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from engine import Generator, Job
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
 from engine.gguf_dequant import dequantize
 from engine.gguf_file import GGUFFile
+from engine.progress import LoadProgress
 from engine.weights import load_model
 from tests.conftest import FAMILIES
 from tests.gguf_files import K_QUANTS, encode_tensor, finish, gguf_name, write_gguf
@@ -195,3 +198,24 @@ def test_progress_counts_tensors(gguf_source: Callable[..., Path], tmp_path: Pat
     load_model(file, progress=lambda done, total: calls.append((done, total)))
     total = len(GGUFReader(file).tensors)
     assert calls == [(i, total) for i in range(1, total + 1)]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_loading_progress_is_a_bar_on_a_terminal_and_a_line_per_tenth_in_a_log(
+    gguf_source: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    file = write_gguf(gguf_source("llama"), tmp_path / "model.gguf")
+    total = len(GGUFReader(file).tensors)
+    terminal = _Terminal()
+    load_model(file, progress=LoadProgress(stream=terminal))
+    frames = terminal.getvalue().split("\r")[1:]
+    assert len(frames) == total and frames[-1].startswith("loading weights [" + "#" * 30 + f"] {total}/{total} 100%")
+    assert frames[-1].endswith("\n") and not any(frame.endswith("\n") for frame in frames[:-1])
+    with caplog.at_level(logging.INFO, logger="engine.loading"):
+        load_model(file, progress=LoadProgress(stream=io.StringIO()))
+    lines = [record.getMessage() for record in caplog.records]
+    assert 2 <= len(lines) <= 11 and lines[-1].startswith(f"loading weights: {total}/{total} (100%")

@@ -20,6 +20,7 @@ from producer.protocol import TASK_NAME, StreamEvent
 from producer.watchdog import Watchdog
 from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, service_env
 from tests.service import plain_client, replay
+from worker.bootsteps import EXIT_MODEL_UNUSABLE
 from worker.processes import RedisServer, WorkerProcess, wait_until
 
 QUEUE = "genq-restarts"
@@ -161,12 +162,24 @@ def test_the_worker_on_a_durable_redis_does_not_warn(worker: WorkerProcess):
     assert "REDIS HAS NO PERSISTENCE" not in worker.log_path.read_text()
 
 
-def test_a_worker_that_cannot_start_its_engine_exits_non_zero(server: RedisServer, tmp_path: Path):
-    broken = tmp_path / "broken-model"
-    broken.mkdir()
-    (broken / "config.json").write_text("{}")
+@pytest.mark.parametrize("damage", ["empty-config", "truncated-gguf"])
+def test_a_worker_that_cannot_load_its_model_says_why_in_one_line_and_exits_non_zero(
+    damage: str, server: RedisServer, smollm2_gguf: Path, tmp_path: Path
+):
+    if damage == "empty-config":
+        broken = tmp_path / "broken-model"
+        broken.mkdir()
+        (broken / "config.json").write_text("{}")
+    else:
+        broken = tmp_path / "broken.gguf"
+        with smollm2_gguf.open("rb") as whole:
+            broken.write_bytes(whole.read(5_000_000))
     process = WorkerProcess(broken, server.url, QUEUE, "broken", tmp_path / "broken.log", OPTIONS)
-    assert process.start().wait(120) != 0
+    assert process.start().wait(120) == EXIT_MODEL_UNUSABLE
+    log = process.log_path.read_text()
+    assert "CRITICAL worker.bootsteps: cannot load the model:" in log and "Traceback" not in log, log
+    if damage == "truncated-gguf":
+        assert f"{broken} is truncated or corrupt" in log
 
 
 
@@ -175,7 +188,9 @@ def test_a_client_with_a_watchdog_resends_what_the_broker_lost(
 ):
     celery = plain_client(server.url)
     check = redis.Redis.from_url(server.url)
-    celery.control.cancel_consumer(QUEUE, destination=[worker.node], reply=True)
+    # The worker must have stopped consuming before the request is sent (its reply says so).
+    replies = celery.control.cancel_consumer(QUEUE, destination=[worker.node], reply=True, timeout=30, limit=1)
+    assert any(worker.node in reply for reply in replies), replies
     monkeypatch.setenv("GENQ_WATCHDOG_AFTER_S", "1")
     with GenqClient(server.url, queue=QUEUE) as client:
         handle = client.submit({"prompt": "lost in the broker", "max_new_tokens": 8, "identifier": "dropped-1"})

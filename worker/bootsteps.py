@@ -11,10 +11,14 @@ from celery import Celery, bootsteps
 from celery.signals import worker_shutting_down
 from celery.worker.control import inspect_command
 
+from engine.errors import ModelLoadError
 from worker import runtime as runtime_module
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
+#: The worker's exit status when its model cannot be loaded (non-zero, so `restart: on-failure`
+#: retries, and distinct from Celery's 1 for other failures).
+EXIT_MODEL_UNUSABLE = 3
 
 
 class EngineStep(bootsteps.StartStopStep):
@@ -28,7 +32,13 @@ class EngineStep(bootsteps.StartStopStep):
         self.runtime: Runtime | None = None
 
     def start(self, parent: Any) -> None:
-        self.runtime = Runtime.start(parent.app.genq_settings, parent.app.backend)
+        try:
+            self.runtime = Runtime.start(parent.app.genq_settings, parent.app.backend)
+        except (ModelLoadError, FileNotFoundError) as error:
+            # The operator's to fix (a bad path or file): one line that says what, not Celery's
+            # "Unrecoverable error" traceback. SystemExit makes Celery stop with this status.
+            log.critical("cannot load the model: %s", error)
+            raise SystemExit(EXIT_MODEL_UNUSABLE) from None
         runtime_module.install(self.runtime)
 
     def stop(self, parent: Any) -> None:

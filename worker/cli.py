@@ -37,6 +37,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from engine import Generator, Job, SamplerSettings
     from engine.gguf_file import is_gguf
+    from engine.progress import LoadProgress
     from engine.tiny_model import make_tiny_model
 
     model_dir = Path(args.model) if args.model else DEFAULT_DEMO_MODEL
@@ -48,10 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"making the tiny demo model in {model_dir} (random weights: expect noise, not prose) ...",
               file=sys.stderr)
         make_tiny_model(model_dir, family="llama", preset="tiny")
-    generator = Generator.from_pretrained(
-        model_dir, device=args.device, progress=lambda done, total: print(
-            f"loading weights: shard {done}/{total}", file=sys.stderr)
-    )
+    generator = Generator.from_pretrained(model_dir, device=args.device, progress=LoadProgress())
     settings = SamplerSettings(temperature=args.temperature, top_p=0.95) if args.temperature > 0 else None
     for i, prompt in enumerate(DEMO_PROMPTS):
         generator.enqueue(Job(generator.tokenizer.encode(prompt), args.max_new_tokens, gen_settings=settings,

@@ -14,6 +14,7 @@ import redis
 from celery.backends.base import Backend
 
 from engine import Generator
+from engine.progress import LoadProgress
 from producer.protocol import ControlMessage, cancel_key, control_channel
 from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
@@ -45,7 +46,7 @@ class Runtime:
             dtype=settings.dtype,
             cache_tokens=settings.cache_tokens,
             page_size=settings.page_size,
-            progress=lambda done, total: log.info("loading weights: shard %d/%d", done, total),
+            progress=LoadProgress(logger=log),
             max_batch_size=settings.max_batch_size,
             max_chunk_size=settings.max_chunk_size,
             max_pending=max(1024, 4 * settings.concurrency),
