@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import compose
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 # The binary itself: the package's console-script wrapper drops the exit status.
@@ -52,3 +53,18 @@ def test_gateway_and_callback_worker_import_and_parse_without_torch():
             "from worker.cli import build_parser; "
             "assert build_parser().parse_args(['gateway', '--port', '9']).port == 9")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_the_monitoring_profile_scrapes_every_worker_and_the_gateway_where_they_serve_metrics():
+    checked = compose_config({**REQUIRED_ENV, "COMPOSE_PROFILES": "monitoring"}, "--format", "json")
+    assert checked.returncode == 0, checked.stderr
+    services = json.loads(checked.stdout)["services"]
+    mount = next(v for v in services["prometheus"]["volumes"] if v["target"] == "/etc/prometheus/prometheus.yml")
+    assert Path(mount["source"]) == ROOT / "deploy" / "prometheus.yml" and mount["read_only"]
+    jobs = {job["job_name"]: job for job in yaml.safe_load(Path(mount["source"]).read_text())["scrape_configs"]}
+    worker_port = int(services["worker"]["environment"]["GENQ_METRICS_PORT"])
+    assert services["worker"]["expose"] == [str(worker_port)]
+    assert jobs["genq-worker"]["dns_sd_configs"] == [{"names": ["worker"], "type": "A", "port": worker_port}]
+    gateway_port = services["gateway"]["ports"][0]["target"]
+    assert jobs["genq-gateway"]["static_configs"] == [{"targets": [f"gateway:{gateway_port}"]}]
+    assert {job["metrics_path"] for job in jobs.values()} == {"/metrics"}
