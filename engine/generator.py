@@ -110,9 +110,15 @@ class Generator:
         max_speculative_batch: int = 8,
         seed: int | None = None,
         overlap: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
         """overlap: run each step's forward and sampling on a worker thread while
         this thread produces the previous step's text and results (see iterate).
+
+        cuda_graphs: replay decode steps from CUDA graphs captured per batch-size
+        bucket (engine/cuda_graphs.py); None = on for a CUDA device and a model
+        whose decode forward a graph can replay. True on a CPU runs the same
+        padded static buffers eagerly (what the tests check).
 
         Speculative decoding: pass draft_model + draft_cache (a smaller model
         of the same tokenizer; its cache has the same pages and page size, so
@@ -158,7 +164,8 @@ class Generator:
             num_draft_tokens if speculating else 0, max_speculative_batch,
         )
         self.sampler = BatchSampler(self.max_batch_size, model.config.vocab_size, self.device)
-        self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, draft_model, draft_cache)
+        self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, draft_model, draft_cache,
+                                  cuda_graphs)
         self._sequences: dict[int, Sequence] = {}
         self._next_serial = 0
         self._undelivered: list[Result] = []

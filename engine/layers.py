@@ -57,16 +57,15 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+        # This layer's pages of the KV cache, bound once (CausalLM.bind_cache), not passed per call:
+        # plain attributes, so they are neither parameters nor saved with the weights.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache is None or v_cache is None:
+            raise RuntimeError("no KV cache bound to the model: call CausalLM.bind_cache(cache) first")
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)

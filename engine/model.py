@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.batch import ForwardBatch
+from engine.cache import KVCache
 from engine.config import ModelConfig
 from engine.layers import MLP, Attention, RMSNorm
 from engine.moe import SparseMoE
@@ -37,8 +38,6 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it): the next norm adds them."""
@@ -47,7 +46,7 @@ class DecoderLayer(nn.Module):
             normed, _ = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(normed, cos, sin, k_cache, v_cache, batch)
+        hidden = self.self_attn(normed, cos, sin, batch)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             normed, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(normed), residual
@@ -59,8 +58,8 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The model: forward(batch, k_caches, v_caches) -> fp32 logits [N, vocab]
-    for the rows named by batch.logits_indices."""
+    """The model: forward(batch) -> fp32 logits [N, vocab] for the rows named by
+    batch.logits_indices, over the KV cache bound with bind_cache()."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -79,6 +78,16 @@ class CausalLM(nn.Module):
         self.layer_uses_sliding_rope = [
             self.sliding_rotary is not None and config.layer_window(i) is not None for i in range(config.num_layers)
         ]
+        self.bound_cache: KVCache | None = None
+
+    def bind_cache(self, cache: KVCache) -> None:
+        """Give each layer its slices of the cache's K/V tensors, once per cache
+        (not per forward: static addresses, as CUDA-graph capture needs)."""
+        if cache.k.shape[0] != len(self.layers):
+            raise ValueError(f"the cache has {cache.k.shape[0]} layers, the model {len(self.layers)}")
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+        self.bound_cache = cache
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Compute the RoPE frequency buffers (not in checkpoints) on `device`,
@@ -88,7 +97,7 @@ class CausalLM(nn.Module):
                 rotary.reset_buffers(device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         if self.config.embed_scale != 1.0:
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
@@ -99,11 +108,9 @@ class CausalLM(nn.Module):
         if self.sliding_rotary is not None:
             tables.append(self.sliding_rotary(batch.positions))
         residual: torch.Tensor | None = None
-        for layer, sliding_rope, k_cache, v_cache in zip(
-            self.layers, self.layer_uses_sliding_rope, k_caches, v_caches
-        ):
+        for layer, sliding_rope in zip(self.layers, self.layer_uses_sliding_rope, strict=True):
             cos, sin = tables[1 if sliding_rope else 0]
-            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, batch)
+            hidden, residual = layer(hidden, residual, cos, sin, batch)
         rows = batch.logits_indices
         hidden, _ = self.norm(hidden[rows], residual[rows] if residual is not None else None)
         logits = self.lm_head(hidden).float()

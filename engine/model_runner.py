@@ -26,6 +26,7 @@ import torch
 
 from engine.batch import ForwardBatch
 from engine.cache import KVCache
+from engine.cuda_graphs import DecodeGraphs, graphable
 from engine.model import CausalLM
 from engine.sequence import Sequence
 
@@ -162,6 +163,7 @@ class ModelRunner:
         max_seq_len: int,
         draft_model: CausalLM | None = None,
         draft_cache: KVCache | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -170,6 +172,8 @@ class ModelRunner:
         self.device = cache.k.device
         max_pages = -(-max_seq_len // cache.page_size) + 1
         self.builder = BatchBuilder(cache.page_size, max_rows, max_pages, self.device)
+        wanted = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(model, max_rows, max_pages, self.device) if wanted and graphable(model) else None
 
     def release(self, serial: int) -> None:
         self.builder.release(serial)
@@ -178,14 +182,23 @@ class ModelRunner:
         """The main model over the rows -> fp32 logits of the positions asked for; the
         draft model (if any) computes its K/V for the same positions in the same step."""
         batch = self.builder.build(rows)
-        logits = self.model(batch, self.cache.k, self.cache.v)
+        model = _bound(self.model, self.cache)
+        logits = self.graphs.run(batch) if self.graphs is not None and self.graphs.supports(batch) else model(batch)
         if self.draft_model is not None and self.draft_cache is not None:
             no_logits = replace(batch, logits_indices=batch.logits_indices[:0])
-            self.draft_model(no_logits, self.draft_cache.k, self.draft_cache.v)
+            _bound(self.draft_model, self.draft_cache)(no_logits)
         return logits
 
     def draft_forward(self, rows: Seq[BatchRow]) -> torch.Tensor:
         """The draft model alone over one-token rows -> its logits."""
         if self.draft_model is None or self.draft_cache is None:
             raise RuntimeError("no draft model")
-        return self.draft_model(self.builder.build(rows), self.draft_cache.k, self.draft_cache.v)
+        return _bound(self.draft_model, self.draft_cache)(self.builder.build(rows))
+
+
+def _bound(model: CausalLM, cache: KVCache) -> CausalLM:
+    """The model with this cache bound: bound once, and again only when another
+    runner sharing the model (a Generator built over the same model) bound its own."""
+    if model.bound_cache is not cache:
+        model.bind_cache(cache)
+    return model

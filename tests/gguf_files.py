@@ -41,7 +41,7 @@ _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.w
                  "lm_head.weight": "output.weight"}
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3"}
-_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+_PRE = {"llama": "llama-bpe", "mistral": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -111,9 +111,9 @@ def write_gguf(
         name = gguf_name(hf_name)
         if name in drop:
             continue
-        if arch == "llama" and ".attn_q." in name:
+        if arch in ("llama", "mistral") and ".attn_q." in name:
             values = interleave_rotary(values, heads)
-        elif arch == "llama" and ".attn_k." in name:
+        elif arch in ("llama", "mistral") and ".attn_k." in name:
             values = interleave_rotary(values, kv_heads)
         kind = types(name) if values.ndim == 2 else Q.F32
         encoded = encode_tensor(values, kind, rng)

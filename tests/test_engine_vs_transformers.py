@@ -212,7 +212,8 @@ def run_forward(
         slot_mapping=torch.tensor(slots),
         logits_indices=torch.tensor(logits_at),
     )
-    return model(batch, cache.k, cache.v)
+    model.bind_cache(cache)
+    return model(batch)
 
 
 INCREMENTAL = [v for v in VARIANTS if v.incremental]

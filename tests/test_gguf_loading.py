@@ -113,6 +113,19 @@ def test_greedy_matches_transformers_on_the_same_gguf(family: str, kind: Q, gguf
         assert engine == _engine_greedy(Generator.from_pretrained(source, cache_tokens=2048, page_size=8), prompts, 10)
 
 
+def test_a_mistral_architecture_file_gives_the_tokens_of_its_hf_directory(gguf_source: Callable[..., Path],
+                                                                            tmp_path: Path):
+    """llama.cpp writes Mistral models as `mistral` too (Q/K rows interleaved as for `llama`)."""
+    source = gguf_source("mistral")
+    file = write_gguf(source, tmp_path / "mistral.gguf", architecture="mistral")
+    generator = Generator.from_pretrained(file, cache_tokens=2048, page_size=8)
+    assert generator.model.config.family == "mistral"
+    rng = random.Random("mistral")
+    prompts = [[rng.randrange(generator.model.config.vocab_size) for _ in range(n)] for n in (1, 9, 30)]
+    expected = _engine_greedy(Generator.from_pretrained(source, cache_tokens=2048, page_size=8), prompts, 10)
+    assert _engine_greedy(generator, prompts, 10) == expected
+
+
 # -- bad files -------------------------------------------------------------
 
 
