@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import torch
 from bench_common import RESULTS_DIR, load_average, machine_info, progress, warn_if_busy, write_results
 
 matplotlib.use("Agg")
@@ -91,7 +92,13 @@ def hf_directory(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     progress(f"writing {target} from {gguf.name} with transformers' GGUF loader (once)")
-    AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(target)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; its dequantized weights go into a plain copy.
+    config = loaded.config
+    config.quantization_config = None
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(target)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(target)
     return target
 
