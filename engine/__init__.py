@@ -1,6 +1,7 @@
 """genq's generation engine: a paged, continuous-batching generator with a
 job API after exllamav2's dynamic generator. No Redis, no Celery here."""
 
+from engine.constraints import Constraint
 from engine.embeddings import Embedding
 from engine.errors import (
     JobRejected,
@@ -15,6 +16,7 @@ from engine.sampling import SamplerSettings
 from engine.tokenizer import Tokenizer
 
 __all__ = [
+    "Constraint",
     "Embedding",
     "EngineOutput",
     "FinishReason",

@@ -80,9 +80,12 @@ class BatchSampler:
                 slots[i] = self._add(sequences[i])
         index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         self.counters[index, 2] += 1
-        if not self._sampled and not self._edited and not self._suppressing:
+        constrained = [i for i, s in enumerate(sequences) if s.constraint is not None]
+        if not self._sampled and not self._edited and not self._suppressing and not constrained:
             return logits.argmax(dim=-1)
         inputs = self._inputs(index, slots, sequences)
+        if constrained:
+            inputs.allowed = self._allowed(constrained, sequences)
         x, bad = edited_logits(logits, inputs)
         uniform = self._uniforms(index) if self._sampled else None
         ids = choose(x, inputs, uniform)
@@ -181,6 +184,15 @@ class BatchSampler:
         if self._suppressing:
             inputs.masked = self._suppressed(sequences)
         return inputs
+
+    def _allowed(self, rows: list[int], sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, [R, V] bool) from the constrained jobs' masks, computed when their last token was appended."""
+        masks = []
+        for row in rows:
+            constraint = sequences[row].constraint
+            assert constraint is not None
+            masks.append(constraint.sampling_mask())
+        return torch.tensor(rows, device=self.device), torch.stack(masks).to(self.device, non_blocking=True)
 
     def _suppressed(self, sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, ids) of stop tokens blocked while min_new_tokens is not reached."""

@@ -29,6 +29,7 @@ import torch
 from engine.batch_sampler import BatchSampler
 from engine.cache import KVCache, PagePool
 from engine.config import ModelConfig
+from engine.constraints import ConstraintCompiler
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import JobRejected, QueueFull
 from engine.job import Job
@@ -172,6 +173,7 @@ class Generator:
         self.overlap = overlap
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if overlap else None
         self._pending: list[tuple[Sequence, list[int]]] = []
+        self._constraint_compiler: ConstraintCompiler | None = None
         self._seed_source = random.Random(seed)
         self._steps = 0
         self._generated_tokens = 0
@@ -237,12 +239,13 @@ class Generator:
         self._check_settings(job.gen_settings)
         if len(self.scheduler.waiting) >= self.max_pending:
             raise QueueFull(f"{len(self.scheduler.waiting)} jobs already pending (max_pending={self.max_pending})")
-        serial = self._next_serial
-        self._next_serial += 1
-        job.serial = serial
         stop_ids = job.stop_token_ids
         if stop_ids is None:
             stop_ids = frozenset(self.tokenizer.eos_token_ids)
+        constraint = self._constraints().start(job.constraint, stop_ids) if job.constraint is not None else None
+        serial = self._next_serial
+        self._next_serial += 1
+        job.serial = serial
         seed = job.seed if job.seed is not None else self._seed_source.randrange(2**63)
         rng = None
         if not job.gen_settings.is_greedy:
@@ -263,10 +266,18 @@ class Generator:
             rng=rng,
             time_enqueued=time.monotonic(),
             seed=seed,
+            constraint=constraint,
         )
         self._sequences[serial] = sequence
         self.scheduler.add(sequence)
         return serial
+
+    def _constraints(self) -> ConstraintCompiler:
+        """The tokenizer's grammar compiler, built on the first constrained job (about a second)."""
+        if self._constraint_compiler is None:
+            self._constraint_compiler = ConstraintCompiler(self.tokenizer.backend.to_str(),
+                                                           self.model.config.vocab_size, self.tokenizer.eos_token_id)
+        return self._constraint_compiler
 
     def _check_settings(self, settings: SamplerSettings) -> None:
         try:
@@ -425,6 +436,7 @@ class Generator:
     ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Draft tokens into the room the scheduler left: serial -> draft ids,
         and the draft model's distributions for sampled jobs (verify needs q)."""
+        items = [item for item in items if item.sequence.constraint is None]  # constrained jobs draft nothing
         if not items:
             return {}, {}
         if self.ngram_drafter is not None:
@@ -566,14 +578,22 @@ class Generator:
         allows stopping) or max_new_tokens; True if one of those ended the job.
         Stop strings need the text: _emit finds them."""
         job = sequence.job
+        kept, done = tokens, False
         for i, token in enumerate(tokens):
             sequence.append(token)
             self._generated_tokens += 1
             generated = sequence.num_generated
             stopped = token in sequence.stop_token_ids and generated >= job.min_new_tokens
             if generated >= job.max_new_tokens or stopped:
-                return tokens[: i + 1], True
-        return tokens, False
+                kept, done = tokens[: i + 1], True
+                break
+        constraint = sequence.constraint
+        if constraint is not None:
+            constraint.consume(kept)  # and computes the next mask now, before the next forward
+            if constraint.complete and not done:
+                sequence.constraint_done_at = sequence.num_generated
+                done = True
+        return kept, done
 
     def _emit(self, sequence: Sequence, tokens: list[int], now: float) -> Result:
         """Release the text of tokens _append_tokens appended; the first stop
@@ -611,6 +631,12 @@ class Generator:
         texts.append(text)
         if stop_string is not None:
             return FinishReason.STOP_STRING, stop_string
+        if generated == sequence.constraint_done_at:
+            tail, _ = self._release(sequence, sequence.detokenizer.flush(), can_stop=False)
+            texts.append(tail)
+            if matcher is not None:
+                texts.append(matcher.flush())
+            return FinishReason.CONSTRAINT_COMPLETE, None
         if generated >= job.max_new_tokens:
             tail, stop_string = self._release(sequence, sequence.detokenizer.flush(), can_stop)
             texts.append(tail)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.constraints import Constraint
 from engine.embeddings import Embedding
 from engine.sampling import SamplerSettings
 
@@ -32,6 +33,7 @@ class Job:
         seed: int | None = None,
         decode_special_tokens: bool = False,
         embeddings: Sequence[Embedding] = (),
+        constraint: Constraint | None = None,
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -62,6 +64,9 @@ class Job:
         if missing:
             raise ValueError(
                 f"input_ids lacks the reserved ids of {len(missing)} embedding(s): place embedding.token_ids")
+        if constraint is not None and not isinstance(constraint, Constraint):
+            raise ValueError(f"constraint must be an engine.Constraint, got {type(constraint).__name__}")
+        self.constraint = constraint
         self.serial: int | None = None
 
     def __repr__(self) -> str:

@@ -30,6 +30,7 @@ class FinishReason(StrEnum):
     STOP_STRING = "stop_string"
     MAX_NEW_TOKENS = "max_new_tokens"
     CANCELLED = "cancelled"
+    CONSTRAINT_COMPLETE = "constraint_complete"  # the job's constraint admits nothing more
 
 
 _ALWAYS = ("job", "serial", "identifier", "stage", "eos", "text", "token_ids")

@@ -214,6 +214,7 @@ class BatchInputs:
 
     bias: additive [B, V] logit edits (token_bias, and -inf for banned ids);
     masked: (rows, ids) set to -inf after the bias (suppressed stop tokens);
+    allowed: (rows, [R, V] bool) the only tokens those rows may take (constraints);
     seen: [B, V] bool, ids in prompt or output (repetition penalty);
     counts: [B, V] fp32 occurrences in the output (frequency/presence penalty).
     The penalty tensors are None when no row of the batch uses them.
@@ -225,6 +226,7 @@ class BatchInputs:
     min_p: torch.Tensor
     bias: torch.Tensor | None = None
     masked: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     repetition_penalty: torch.Tensor | None = None
     seen: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
@@ -275,6 +277,9 @@ def edited_logits(logits: torch.Tensor, inputs: BatchInputs) -> tuple[torch.Tens
         x += inputs.bias
     if inputs.masked is not None:
         x[inputs.masked] = -math.inf
+    if inputs.allowed is not None:
+        rows, allowed = inputs.allowed
+        x[rows] = x[rows].masked_fill(~allowed, -math.inf)
     if inputs.repetition_penalty is not None and inputs.seen is not None:
         if x.is_cuda:
             penalty = inputs.repetition_penalty[:, None]

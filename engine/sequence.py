@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.constraints import ConstraintState
 from engine.detokenizer import IncrementalDetokenizer
 from engine.job import Job
 from engine.stops import StopStringMatcher
@@ -44,6 +45,8 @@ class Sequence:
     time_first_token: float | None = None
     completion: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    constraint: ConstraintState | None = None
+    constraint_done_at: int | None = None  # generated-token count at which the constraint completed
 
     @property
     def num_generated(self) -> int:

@@ -164,6 +164,7 @@ _FINISH_REASONS_BY_EVENT: dict[str, frozenset[str]] = {
 EOS_REASON_TO_FINISH_REASON: dict[str, FinishReason] = {
     "stop_token": "stop",
     "stop_string": "stop",
+    "constraint_complete": "stop",
     "max_new_tokens": "length",
     "cancelled": "cancelled",
 }
