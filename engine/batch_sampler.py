@@ -21,9 +21,11 @@ torch.Generator instead and reports its tokens through record().
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling import (
     BatchInputs,
     SamplerSettings,
@@ -34,6 +36,28 @@ from engine.sampling import (
 from engine.sequence import Sequence
 
 _MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """Log-probabilities of one sample() for the rows whose jobs asked, still on the device."""
+
+    rows: list[int]
+    chosen: torch.Tensor  # [R]
+    top_values: torch.Tensor | None  # [R, k], best first
+    top_ids: torch.Tensor | None
+
+    def to_host(self, sequences: Seq[Sequence], ids: list[int]) -> dict[int, TokenLogprob]:
+        """row -> its TokenLogprob (each row's own top_logprobs count of alternatives)."""
+        chosen = self.chosen.tolist()
+        values = self.top_values.tolist() if self.top_values is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        out = {}
+        for i, row in enumerate(self.rows):
+            k = sequences[row].job.top_logprobs
+            top = tuple(zip(top_ids[i][:k], values[i][:k], strict=True)) if values and top_ids and k else ()
+            out[row] = TokenLogprob(ids[row], chosen[i], top)
+        return out
 # Columns of the float parameter table.
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(6)
 
@@ -55,6 +79,7 @@ class BatchSampler:
         self._edited: set[int] = set()
         self._suppressing: dict[int, Sequence] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, list[Sequence]] | None = None
+        self.last_logprobs: SampledLogprobs | None = None
 
     @property
     def num_slots_used(self) -> int:
@@ -81,8 +106,11 @@ class BatchSampler:
         index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         self.counters[index, 2] += 1
         constrained = [i for i, s in enumerate(sequences) if s.constraint is not None]
+        wanted = [i for i, s in enumerate(sequences) if s.job.logprobs]
         if not self._sampled and not self._edited and not self._suppressing and not constrained:
-            return logits.argmax(dim=-1)
+            ids = logits.argmax(dim=-1)
+            self.last_logprobs = self._logprobs(logits, ids, index, wanted, sequences) if wanted else None
+            return ids
         inputs = self._inputs(index, slots, sequences)
         if constrained:
             inputs.allowed = self._allowed(constrained, sequences)
@@ -94,7 +122,21 @@ class BatchSampler:
         if self.seen is not None:
             self.seen[index, ids] = True
         self._last = (logits, x, list(sequences))
+        self.last_logprobs = self._logprobs(x, ids, index, wanted, sequences) if wanted else None
         return torch.where(bad, -1, ids)
+
+    def _logprobs(self, x: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, wanted: list[int],
+                  sequences: Seq[Sequence]) -> SampledLogprobs:
+        """The wanted rows' log-probabilities of their sampled ids and their top alternatives, on the
+        device, from the edited logits at the row's temperature (1 for greedy rows)."""
+        rows = torch.tensor(wanted, device=self.device)
+        temperature = self.params[index[rows], _TEMPERATURE]
+        temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        logprobs = torch.log_softmax(x[rows].float() / temperature[:, None], dim=-1)
+        chosen = logprobs.gather(1, ids[rows].clamp(min=0)[:, None]).squeeze(1)
+        k = max(sequences[i].job.top_logprobs for i in wanted)
+        top = logprobs.topk(k, dim=-1) if k else None
+        return SampledLogprobs(wanted, chosen, top.values if top else None, top.indices if top else None)
 
     def raise_for_row(self, row: int) -> None:
         """Raise the error that names why row of the last sample() had nothing to draw."""

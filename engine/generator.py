@@ -36,7 +36,7 @@ from engine.job import Job
 from engine.kv_manager import KVManager
 from engine.model import CausalLM
 from engine.model_runner import BatchRow, ModelRunner
-from engine.outputs import EngineOutput, FinishReason, Stage
+from engine.outputs import EngineOutput, FinishReason, Stage, TokenLogprob
 from engine.sampling import SamplerSettings, SamplingRow, sample, sampling_probs
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -61,7 +61,7 @@ CUDA_CACHE_FRACTION = 0.85
 class _Step:
     """A launched step: its forward/sampling work and which rows sample how."""
 
-    work: Future[tuple[torch.Tensor, list[int]]]
+    work: Future[tuple[torch.Tensor, list[int], dict[int, TokenLogprob]]]
     plain: list[tuple[Sequence, int]]
     speculated: list[tuple[Sequence, int, list[int]]]
     draft_probs: dict[int, torch.Tensor]
@@ -374,7 +374,7 @@ class Generator:
             if sequence.num_computed < sequence.num_prompt_tokens:
                 self._computed_prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
         if self._executor is None:
-            work: Future[tuple[torch.Tensor, list[int]]] = Future()
+            work: Future[tuple[torch.Tensor, list[int], dict[int, TokenLogprob]]] = Future()
             work.set_result(self._forward_and_sample(rows, plain))
         else:
             work = self._executor.submit(self._forward_and_sample, rows, plain)
@@ -382,22 +382,28 @@ class Generator:
 
     @torch.inference_mode()
     def _forward_and_sample(self, rows: list[BatchRow], plain: list[tuple[Sequence, int]]
-                            ) -> tuple[torch.Tensor, list[int]]:
-        """The device work of a step and its one read-back: the plain rows' sampled ids."""
+                            ) -> tuple[torch.Tensor, list[int], dict[int, TokenLogprob]]:
+        """The device work of a step and its read-back: the plain rows' sampled ids (and the
+        log-probabilities of the rows whose jobs asked for them), by index into plain."""
         logits = self.runner.forward(rows)
         if not plain:
-            return logits, []
+            return logits, [], {}
         rows_logits = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
-        return logits, self.sampler.sample(rows_logits, [s for s, _ in plain]).tolist()
+        sequences = [s for s, _ in plain]
+        tokens = self.sampler.sample(rows_logits, sequences).tolist()
+        sampled = self.sampler.last_logprobs
+        return logits, tokens, sampled.to_host(sequences, tokens) if sampled is not None else {}
 
     def _complete(self, schedule: SchedulerOutput, step: _Step) -> list[Sequence]:
         """Wait for the step, verify drafts, append the tokens and update the
         scheduler; returns the sequences a stop token or max_new_tokens ended."""
-        logits, tokens = step.work.result()
+        logits, tokens, logprobs = step.work.result()
         bad = next((i for i, token in enumerate(tokens) if token < 0), None)
         if bad is not None:
             self.sampler.raise_for_row(bad)
         emitted = [(s, [t]) for (s, _), t in zip(step.plain, tokens)]
+        for i, logprob in logprobs.items():
+            step.plain[i][0].logprobs.append(logprob)
         accepted: dict[int, int] = {}
         for sequence, row, draft in step.speculated:
             verified = self._verify(sequence, logits[row : row + 1 + len(draft)], draft,
@@ -436,7 +442,8 @@ class Generator:
     ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Draft tokens into the room the scheduler left: serial -> draft ids,
         and the draft model's distributions for sampled jobs (verify needs q)."""
-        items = [item for item in items if item.sequence.constraint is None]  # constrained jobs draft nothing
+        # Constrained jobs and jobs asking for logprobs draft nothing (their rows are sampled plainly).
+        items = [item for item in items if item.sequence.constraint is None and not item.sequence.job.logprobs]
         if not items:
             return {}, {}
         if self.ngram_drafter is not None:
@@ -608,7 +615,7 @@ class Generator:
                 reason, trigger = finished
                 extra = len(tokens) - i - 1
                 if extra:
-                    del sequence.token_ids[-extra:], sequence.output_ids[-extra:]
+                    del sequence.token_ids[-extra:], sequence.output_ids[-extra:], sequence.logprobs[-extra:]
                     self._generated_tokens -= extra
                 return self._finish(sequence, "".join(texts), tokens[: i + 1], reason, trigger)
         text = "".join(texts)
@@ -666,8 +673,9 @@ class Generator:
 
     @staticmethod
     def _result(sequence: Sequence, stage: Stage, text: str = "", token_ids: list[int] | None = None) -> EngineOutput:
-        return EngineOutput(sequence.job, sequence.serial, sequence.job.identifier, stage, False, text,
-                            token_ids or [])
+        token_ids = token_ids or []
+        return EngineOutput(sequence.job, sequence.serial, sequence.job.identifier, stage, False, text, token_ids,
+                            logprobs=_step_logprobs(sequence, token_ids))
 
     def _final_result(self, sequence: Sequence, text: str, token_ids: list[int], reason: FinishReason
                       ) -> EngineOutput:
@@ -676,9 +684,11 @@ class Generator:
         first = sequence.time_first_token if sequence.time_first_token is not None else now
         return EngineOutput(
             sequence.job, sequence.serial, sequence.job.identifier, Stage.EOS, True, text, token_ids,
+            logprobs=_step_logprobs(sequence, token_ids),
             eos_reason=reason,
             full_completion="".join(sequence.completion),
             completion_ids=list(sequence.output_ids),
+            completion_logprobs=list(sequence.logprobs) if sequence.job.logprobs else None,
             new_tokens=sequence.num_generated,
             prompt_tokens=sequence.num_prompt_tokens,
             cached_tokens=sequence.cached_tokens,
@@ -688,6 +698,13 @@ class Generator:
             time_prefill=first - started,
             time_generate=now - first,
         )
+
+
+def _step_logprobs(sequence: Sequence, token_ids: list[int]) -> list[TokenLogprob] | None:
+    """The logprobs of a result's tokens (the last ones appended), for jobs that asked."""
+    if not sequence.job.logprobs:
+        return None
+    return sequence.logprobs[len(sequence.logprobs) - len(token_ids):] if token_ids else []
 
 
 def _releasable_window(configs: Seq[ModelConfig]) -> int | None:

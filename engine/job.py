@@ -16,6 +16,8 @@ from engine.constraints import Constraint
 from engine.embeddings import Embedding
 from engine.sampling import SamplerSettings
 
+MAX_TOP_LOGPROBS = 20
+
 
 class Job:
     """One request. `stop_conditions=None` stops on the model's EOS ids
@@ -34,6 +36,8 @@ class Job:
         decode_special_tokens: bool = False,
         embeddings: Sequence[Embedding] = (),
         constraint: Constraint | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -67,6 +71,11 @@ class Job:
         if constraint is not None and not isinstance(constraint, Constraint):
             raise ValueError(f"constraint must be an engine.Constraint, got {type(constraint).__name__}")
         self.constraint = constraint
+        if not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+        # top_logprobs implies logprobs, as in OpenAI's API
+        self.logprobs = bool(logprobs) or top_logprobs > 0
+        self.top_logprobs = top_logprobs
         self.serial: int | None = None
 
     def __repr__(self) -> str:

@@ -36,6 +36,19 @@ class FinishReason(StrEnum):
 _ALWAYS = ("job", "serial", "identifier", "stage", "eos", "text", "token_ids")
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely alternatives at
+    its position (token id, log-probability; best first), from the distribution
+    the job samples from: the logits after its biases, bans, penalties and
+    constraint, divided by its temperature (1 for greedy jobs), before top-k,
+    top-p and min-p truncation."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """One job's result of one step. The fields after token_ids are set on
@@ -48,11 +61,13 @@ class EngineOutput:
     eos: bool
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, for jobs that ask (Job(logprobs=...))
     eos_reason: FinishReason | None = None
     eos_token_id: int | None = None
     eos_string: str | None = None
     full_completion: str | None = None
     completion_ids: list[int] | None = None
+    completion_logprobs: list[TokenLogprob] | None = None
     new_tokens: int | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
@@ -68,15 +83,17 @@ class EngineOutput:
 
     def keys(self) -> list[str]:
         if not self.eos:
-            return list(_ALWAYS)
-        return [name for name in _ALL if name not in _TRIGGERS or getattr(self, name) is not None]
+            return [*_ALWAYS, *(["logprobs"] if self.logprobs is not None else [])]
+        return [name for name in _ALL if name not in _OPTIONAL or getattr(self, name) is not None]
 
     def __contains__(self, key: object) -> bool:
         if key in _ALWAYS:
             return True
+        if key == "logprobs":
+            return self.logprobs is not None
         if not self.eos or key not in _ALL:
             return False
-        return key not in _TRIGGERS or getattr(self, key) is not None  # type: ignore[arg-type]
+        return key not in _OPTIONAL or getattr(self, key) is not None  # type: ignore[arg-type]
 
     def __getitem__(self, key: str) -> Any:
         if key not in self:
@@ -88,4 +105,5 @@ class EngineOutput:
 
 
 _ALL = tuple(f.name for f in fields(EngineOutput))
-_TRIGGERS = frozenset({"eos_token_id", "eos_string"})
+_OPTIONAL = frozenset({"eos_token_id", "eos_string", "logprobs", "completion_logprobs"})
+"""Keys present only when set: the stop trigger that applied, logprobs for jobs that asked."""

@@ -9,6 +9,7 @@ import torch
 from engine.constraints import ConstraintState
 from engine.detokenizer import IncrementalDetokenizer
 from engine.job import Job
+from engine.outputs import TokenLogprob
 from engine.stops import StopStringMatcher
 
 
@@ -47,6 +48,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     constraint: ConstraintState | None = None
     constraint_done_at: int | None = None  # generated-token count at which the constraint completed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output_ids entry, if the job asks
 
     @property
     def num_generated(self) -> int:
