@@ -20,6 +20,7 @@ torch.Generator instead and reports its tokens through record().
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -48,14 +49,16 @@ class SampledLogprobs:
     top_ids: torch.Tensor | None
 
     def to_host(self, sequences: Seq[Sequence], ids: list[int]) -> dict[int, TokenLogprob]:
-        """row -> its TokenLogprob (each row's own top_logprobs count of alternatives)."""
+        """row -> its TokenLogprob (each row's own top_logprobs count of alternatives; tokens the
+        job could not take, log-probability -inf, are not alternatives)."""
         chosen = self.chosen.tolist()
         values = self.top_values.tolist() if self.top_values is not None else None
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         out = {}
         for i, row in enumerate(self.rows):
             k = sequences[row].job.top_logprobs
-            top = tuple(zip(top_ids[i][:k], values[i][:k], strict=True)) if values and top_ids and k else ()
+            top = tuple((t, v) for t, v in zip(top_ids[i][:k], values[i][:k], strict=True) if v != -math.inf
+                        ) if values and top_ids and k else ()
             out[row] = TokenLogprob(ids[row], chosen[i], top)
         return out
 # Columns of the float parameter table.

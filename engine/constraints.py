@@ -107,7 +107,7 @@ class ConstraintCompiler:
     def start(self, constraint: Constraint, stop_token_ids: frozenset[int]) -> ConstraintState:
         """A fresh matcher for one job; JobRejected naming the problem for a bad constraint."""
         try:
-            grammar = _grammar(constraint)
+            grammar = compiled_grammar(constraint)
         except ValueError as error:
             raise JobRejected(f"constraint: {error}") from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar)
@@ -135,7 +135,8 @@ def _compact(schema: str) -> str:
 
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def _grammar(constraint: Constraint) -> str:
+def compiled_grammar(constraint: Constraint) -> str:
+    """The constraint's llguidance grammar, checked (ValueError naming the problem); cached."""
     return constraint.llguidance_grammar()
 
 

@@ -39,7 +39,8 @@ _ALWAYS = ("job", "serial", "identifier", "stage", "eos", "text", "token_ids")
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """A generated token's log-probability, and the most likely alternatives at
-    its position (token id, log-probability; best first), from the distribution
+    its position (token id, log-probability; best first; tokens the job could
+    not take, such as those a constraint rules out, are left out), from the distribution
     the job samples from: the logits after its biases, bans, penalties and
     constraint, divided by its temperature (1 for greedy jobs), before top-k,
     top-p and min-p truncation."""

@@ -19,6 +19,7 @@ or booleans ("1" and true are errors; an int is fine where a float is expected).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -37,6 +38,9 @@ __all__ = [
     "IDENTIFIER_PATTERN",
     "MAX_ABS_PENALTY",
     "MAX_BANNED_TOKEN_IDS",
+    "MAX_CHOICES",
+    "MAX_CHOICE_CHARS",
+    "MAX_CONSTRAINT_CHARS",
     "MAX_DEADLINE",
     "MAX_IDENTIFIER_CHARS",
     "MAX_INPUT_IDS",
@@ -59,23 +63,32 @@ __all__ = [
     "MAX_TOKEN_BIAS_VALUE",
     "MAX_TOKEN_ID",
     "MAX_TOP_K",
+    "MAX_TOP_LOGPROBS",
     "MIN_PRIORITY",
     "PROTOCOL_VERSION",
     "STREAM_FIELD",
     "TASK_NAME",
     "TERMINAL_EVENTS",
     "ChatMessage",
+    "ChoiceConstraint",
     "ControlMessage",
     "EventType",
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",
+    "GrammarConstraint",
+    "JsonObjectConstraint",
+    "JsonSchemaConstraint",
+    "OutputConstraint",
     "ProtocolError",
+    "RegexConstraint",
     "Role",
     "SamplingParams",
     "StreamEvent",
     "StreamOptions",
     "Timings",
+    "TokenLogprob",
+    "TopLogprob",
     "Usage",
     "attempt_key",
     "cancel_key",
@@ -143,6 +156,11 @@ MAX_DEADLINE = 253_402_300_799.0
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 1024
+MAX_TOP_LOGPROBS = 20
+MAX_CONSTRAINT_CHARS = 65_536
+"""Bounds the text of a JSON Schema (as JSON), a regex or a grammar: compiling is per request."""
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 
 _IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
 _TOKEN_ID_KEY_RE = re.compile(r"-?[0-9]{1,19}")
@@ -297,6 +315,57 @@ class StreamOptions(_Input):
     include_token_ids: bool = Field(False, description="put token ids in chunk and final events")
 
 
+class JsonSchemaConstraint(_Input):
+    """The output is a JSON value matching `json_schema` (compact: no whitespace between tokens)."""
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any]
+
+    @field_validator("json_schema")
+    @classmethod
+    def _bounded(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        size = len(json.dumps(schema))
+        if size > MAX_CONSTRAINT_CHARS:
+            raise PydanticCustomError("constraint_too_long", "at most {max} characters of JSON allowed, got {size}",
+                                      {"max": MAX_CONSTRAINT_CHARS, "size": size})
+        return schema
+
+
+class JsonObjectConstraint(_Input):
+    """The output is a JSON object, any object (OpenAI's response_format json_object)."""
+
+    type: Literal["json_object"]
+
+
+class RegexConstraint(_Input):
+    """The output matches the regular expression as a whole."""
+
+    type: Literal["regex"]
+    pattern: Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+
+
+class ChoiceConstraint(_Input):
+    """The output is exactly one of the choices."""
+
+    type: Literal["choice"]
+    choices: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+                       Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class GrammarConstraint(_Input):
+    """The output is a sentence of a context-free grammar, in Lark or llama.cpp's GBNF syntax."""
+
+    type: Literal["grammar"]
+    syntax: Literal["lark", "gbnf"] = "lark"
+    grammar: Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+
+
+OutputConstraint = Annotated[
+    JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | ChoiceConstraint | GrammarConstraint,
+    Field(discriminator="type"),
+]
+
+
 class GenerationRequest(_Input):
     """The keyword arguments of a `genq.generate` task."""
 
@@ -321,6 +390,10 @@ class GenerationRequest(_Input):
     timeout_s: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description="seconds from pick-up")
     stream: StreamOptions = Field(default_factory=StreamOptions)
     metadata: Metadata = Field(default_factory=dict, description="passed through to the result")
+    constraint: OutputConstraint | None = Field(None, description="what the output must match (docs/protocol.md)")
+    logprobs: bool = Field(False, description="each generated token's log-probability, in chunks and the result")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="that many alternatives per token "
+                                                                       "(implies logprobs)")
 
     @field_validator("messages")
     @classmethod
@@ -474,6 +547,23 @@ class Timings(_Output):
     generate_s: float = Field(0.0, ge=0.0)
 
 
+class TopLogprob(_Output):
+    """An alternative at a generated token's position."""
+
+    token_id: TokenId
+    token: str  # the token's text (a piece of a character for byte tokens: see docs/protocol.md)
+    logprob: float
+
+
+class TokenLogprob(_Output):
+    """A generated token's log-probability and its position's best alternatives (best first)."""
+
+    token_id: TokenId
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class StreamEvent(_Output):
     """One message on a request's channel and replay stream (the same JSON on both).
 
@@ -487,6 +577,7 @@ class StreamEvent(_Output):
     event: EventType
     text: str = ""
     token_ids: list[TokenId] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
@@ -528,6 +619,7 @@ class GenerationResult(_Output):
     attempt: int = Field(ge=1)
     text: str
     token_ids: list[TokenId] = Field(default_factory=list, description="the completion's token ids")
+    logprobs: list[TokenLogprob] | None = Field(None, description="per completion token, if requested")
     finish_reason: FinishReason
     usage: Usage
     timings: Timings

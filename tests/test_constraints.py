@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from engine import Constraint, FinishReason, Generator, Job, JobRejected, SamplerSettings
-from engine.constraints import _grammar
+from engine.constraints import compiled_grammar
 
 SCHEMA = {
     "type": "object",
@@ -152,9 +152,9 @@ def test_a_bad_constraint_is_refused_at_enqueue_naming_the_problem_while_others_
 
 def test_a_compiled_grammar_is_reused_for_the_same_constraint(generator: Generator):
     constraint = Constraint.json_schema({"type": "object", "properties": {"k": {"type": "integer"}}})
-    before = _grammar.cache_info()
+    before = compiled_grammar.cache_info()
     run(generator, [Job(prompt, 30, constraint=constraint, identifier=i) for i, prompt in enumerate(prompts(3))])
-    after = _grammar.cache_info()
+    after = compiled_grammar.cache_info()
     assert after.misses - before.misses == 1 and after.hits - before.hits == 2
 
 

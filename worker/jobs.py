@@ -3,8 +3,18 @@ tokenization runs in parallel with the engine loop)."""
 
 from __future__ import annotations
 
-from engine import Job, SamplerSettings, Tokenizer
-from producer.protocol import GenerationRequest, ProtocolError
+from engine import Constraint, Job, SamplerSettings, Tokenizer
+from engine.constraints import compiled_grammar
+from producer.protocol import (
+    ChoiceConstraint,
+    GenerationRequest,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    OutputConstraint,
+    ProtocolError,
+    RegexConstraint,
+)
 
 
 def build_job(
@@ -61,4 +71,28 @@ def build_job(
         identifier=identifier,
         seed=sampling.seed,
         decode_special_tokens=request.decode_special_tokens,
+        constraint=engine_constraint(request.constraint) if request.constraint is not None else None,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
     )
+
+
+def engine_constraint(wire: OutputConstraint) -> Constraint:
+    """The engine's Constraint for the request's, compiled here on the task thread (and cached), so
+    a grammar that does not compile fails the request naming it and never reaches the engine loop."""
+    if isinstance(wire, JsonSchemaConstraint):
+        constraint = Constraint.json_schema(wire.json_schema)
+    elif isinstance(wire, JsonObjectConstraint):
+        constraint = Constraint.json_object()
+    elif isinstance(wire, RegexConstraint):
+        constraint = Constraint.regex(wire.pattern)
+    elif isinstance(wire, ChoiceConstraint):
+        constraint = Constraint.choice(wire.choices)
+    else:
+        assert isinstance(wire, GrammarConstraint)
+        constraint = Constraint.grammar(wire.grammar, wire.syntax)
+    try:
+        compiled_grammar(constraint)
+    except ValueError as error:
+        raise ProtocolError([f"constraint: {error}"]) from None
+    return constraint

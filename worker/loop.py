@@ -18,11 +18,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine import EngineOutput, FinishReason, Generator, Job, JobRejected, QueueFull, Stage
+from engine.outputs import TokenLogprob as EngineTokenLogprob
 from producer.protocol import (
     GenerationRequest,
     GenerationResult,
     StreamEvent,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     finish_reason_from_eos,
 )
@@ -64,12 +67,13 @@ class Submission:
         self.seq += 1
         return event
 
-    def chunk(self, text: str, token_ids: list[int] | None) -> StreamEvent:
+    def chunk(self, text: str, token_ids: list[int] | None, logprobs: list[TokenLogprob] | None = None
+              ) -> StreamEvent:
         """The per-token event, built without validation: every field comes from this
         worker (a checked identifier, its own counters, the engine's text and ids), and
         validating it cost more than the rest of the event's path."""
         event = StreamEvent.model_construct(id=self.identifier, seq=self.seq, attempt=self.attempt, event="chunk",
-                                            text=text, token_ids=token_ids)
+                                            text=text, token_ids=token_ids, logprobs=logprobs)
         self.seq += 1
         return event
 
@@ -292,8 +296,9 @@ class EngineLoop:
         if result.stage is Stage.STARTED:
             events.append(submission.event("started"))
             return
-        if options.enabled and (result.text or token_ids):
-            events.append(submission.chunk(result.text, token_ids))
+        logprobs = self._wire_logprobs(result.logprobs) if result.logprobs else None
+        if options.enabled and (result.text or token_ids or logprobs):
+            events.append(submission.chunk(result.text, token_ids, logprobs))
         if not result.eos:
             return
         if submission.requeue:
@@ -319,11 +324,14 @@ class EngineLoop:
         if self.on_finished is not None:
             self.on_finished(timings, usage)
         text = result.full_completion or ""
+        completion_logprobs = (self._wire_logprobs(result.completion_logprobs)
+                               if result.completion_logprobs is not None else None)
         events.append(
             submission.event(
                 kind,
                 text=text,
                 token_ids=result.completion_ids if options.include_token_ids else None,
+                logprobs=completion_logprobs,
                 finish_reason=finish_reason,
                 usage=usage,
                 timings=timings,
@@ -334,11 +342,25 @@ class EngineLoop:
             attempt=submission.attempt,
             text=text,
             token_ids=result.completion_ids or [],
+            logprobs=completion_logprobs,
             finish_reason=finish_reason,
             usage=usage,
             timings=timings,
             metadata=submission.request.metadata,
         )
+
+    def _wire_logprobs(self, logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
+        """The engine's logprobs with each token's text, built without re-validation (as chunk())."""
+        decode = self._token_text
+        return [
+            TokenLogprob.model_construct(
+                token_id=lp.token_id, token=decode(lp.token_id), logprob=lp.logprob,
+                top_logprobs=[TopLogprob.model_construct(token_id=t, token=decode(t), logprob=v) for t, v in lp.top])
+            for lp in logprobs
+        ]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.generator.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _fail_all(self, message: str) -> None:
         events: list[StreamEvent] = []
