@@ -23,14 +23,12 @@ compiled once per (constraint, tokenizer) and cached.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
 import llguidance
-import llguidance.gbnf_to_lark
 import llguidance.torch
 import torch
 
@@ -72,25 +70,15 @@ class Constraint:
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar; ValueError naming what is wrong."""
-        matcher = llguidance.LLMatcher
-        if self.kind == "json_schema":
-            grammar = matcher.grammar_from_json_schema(_compact(self.source))
-        elif self.kind == "json_object":
-            grammar = matcher.grammar_from_json_schema(_compact(json.dumps({"type": "object"})))
-        elif self.kind == "regex":
-            grammar = matcher.grammar_from_regex(self.source)
-        elif self.kind == "choice":
-            options = json.loads(self.source)
-            grammar = matcher.grammar_from_regex("(" + "|".join(re.escape(o) for o in options) + ")")
-        elif self.kind == "gbnf":
-            try:
-                lark = llguidance.gbnf_to_lark.gbnf_to_lark(self.source)
-            except Exception as error:  # noqa: BLE001 - the converter raises several kinds on bad input
-                raise ValueError(f"gbnf grammar: {error}") from None
-            grammar = matcher.grammar_from_lark(lark)
+        if self.kind in ("json_schema", "json_object"):
+            syntax, text = "json_schema", _compact(self.source if self.kind == "json_schema" else '{"type": "object"}')
         else:
-            grammar = matcher.grammar_from_lark(self.source)
-        problem = matcher.validate_grammar(grammar)
+            syntax, text = self.kind, self.source
+        try:
+            grammar = llguidance.grammar_from(syntax, text)
+        except Exception as error:  # noqa: BLE001 - the GBNF converter raises several kinds on bad input
+            raise ValueError(f"{self.kind}: {_one_line(str(error))}") from None
+        problem = llguidance.LLMatcher.validate_grammar(grammar)
         if problem:
             raise ValueError(f"{self.kind}: {_one_line(problem)}")
         return grammar

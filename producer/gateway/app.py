@@ -34,6 +34,7 @@ from producer.gateway.auth import (
     require_task_access,
     require_webhook_auth,
 )
+from producer.gateway.constraints import constraint_problem
 from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
@@ -43,8 +44,10 @@ from producer.gateway.openai_api import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionUsage,
     ModelCard,
@@ -61,6 +64,7 @@ from producer.protocol import (
     GenerationResult,
     ProtocolError,
     StreamEvent,
+    TokenLogprob,
     Usage,
 )
 from producer.routing import route_queue
@@ -357,10 +361,14 @@ def _preview(value: Any, limit: int = 80) -> str:
 
 def _parse(fields: dict[str, Any], *, status: int) -> GenerationRequest:
     try:
-        return GenerationRequest.parse_payload(fields)
+        request = GenerationRequest.parse_payload(fields)
     except ProtocolError as error:
         param = error.problems[0].split(":", 1)[0] if error.problems else None
         raise ApiError(status, "invalid_request", str(error), param=param, problems=error.problems) from None
+    problem = constraint_problem(request.constraint) if request.constraint is not None else None
+    if problem is not None:
+        raise ApiError(status, "invalid_constraint", problem, param="constraint", problems=[problem])
+    return request
 
 
 def _parse_last_event_id(value: str | None) -> tuple[int, int] | None:
@@ -429,14 +437,19 @@ async def _openai_stream(gateway: Gateway, handle: AsyncGenerationHandle, model:
     attempt continues the text where it stopped (TextAssembler)."""
     created = int(time.time())
 
-    def chunk(text: str | None, finish_reason: str | None = None, *, role: bool = False) -> str:
+    offset = 0  # of the completion's text so far (the legacy logprobs' text_offset)
+
+    def chunk(text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> str:
         if chat:
             delta = ChatDelta(role="assistant" if role else None, content=text)
             body: BaseModel = ChatCompletionChunk(id=handle.id, created=created, model=model, choices=[
-                ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+                ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                logprobs=ChatLogprobs.from_tokens(logprobs))])
         else:
             body = Completion(id=handle.id, created=created, model=model, choices=[
-                CompletionChoice(text=text or "", finish_reason=finish_reason)])
+                CompletionChoice(text=text or "", finish_reason=finish_reason,
+                                 logprobs=CompletionLogprobs.from_tokens(logprobs, offset))])
         return sse.message(body.model_dump_json())
 
     def usage_chunk(usage: Usage) -> str:
@@ -460,8 +473,10 @@ async def _openai_stream(gateway: Gateway, handle: AsyncGenerationHandle, model:
                 yield sse.KEEPALIVE
                 continue
             text = assembler.feed(event)
-            if text:
-                yield chunk(text)
+            logprobs = event.logprobs if event.event == "chunk" else None
+            if text or logprobs:
+                yield chunk(text, logprobs=logprobs)
+                offset += len(text or "")
             if event.is_terminal:
                 ended = True
                 yield chunk(None if chat else "", openai_finish_reason(event.finish_reason or "stop"))

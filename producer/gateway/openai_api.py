@@ -2,8 +2,11 @@
 
 Requests accept what OpenAI clients send: unknown fields are ignored (as vLLM does: SDKs add
 fields over time), known features genq lacks are refused with a 400 that names them (n > 1,
-logprobs, echo, suffix, tools, structured output), and the values themselves are checked by
-GenerationRequest, so the limits are the protocol's. Extensions, as in vLLM: top_k, min_p,
+echo, suffix, tools), and the values themselves are checked by GenerationRequest, so the
+limits are the protocol's. Structured output: chat's response_format (json_object, json_schema)
+and vLLM's guided_json / guided_regex / guided_choice / guided_grammar on both endpoints become
+the request's constraint. Log-probabilities in OpenAI's shapes: chat's logprobs + top_logprobs,
+completions' logprobs (an int: that many alternatives). Extensions, as in vLLM: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos.
 
 finish_reason: the protocol's "stop" and "length" are OpenAI's; "deadline" and "cancelled" are
@@ -13,12 +16,13 @@ An omitted temperature means 1.0, OpenAI's default (genq's own default is greedy
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
 
-from producer.protocol import DEFAULT_MAX_NEW_TOKENS, GenerationResult, Usage
+from producer.protocol import DEFAULT_MAX_NEW_TOKENS, GenerationResult, TokenLogprob, Usage
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -72,10 +76,41 @@ class _CommonParams(_Lenient):
     repetition_penalty: float | None = Field(None, description="genq extension (vLLM's)")
     min_tokens: int | None = Field(None, description="genq extension (vLLM's): stop tokens blocked until reached")
     ignore_eos: bool | None = Field(None, description="genq extension (vLLM's)")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension: a JSON Schema")
+    guided_regex: str | None = Field(None, description="vLLM extension")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension")
+    guided_grammar: str | None = Field(None, description="vLLM extension: Lark, or GBNF (llama.cpp's)")
 
     def _check_supported(self) -> None:
         if self.n not in (None, 1):
             raise UnsupportedParameter("n", f"only n=1 is supported, got {self.n}; send separate requests")
+
+    def _guided(self) -> dict[str, tuple[str, Any]]:
+        """The vLLM guided_* parameters given: name -> the protocol constraint they ask for."""
+        guided: dict[str, tuple[str, Any]] = {}
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as error:
+                    raise InvalidParameter("guided_json", f"not valid JSON ({error})") from None
+            guided["guided_json"] = ("json_schema", {"type": "json_schema", "json_schema": schema})
+        if self.guided_regex is not None:
+            guided["guided_regex"] = ("regex", {"type": "regex", "pattern": self.guided_regex})
+        if self.guided_choice is not None:
+            guided["guided_choice"] = ("choice", {"type": "choice", "choices": self.guided_choice})
+        if self.guided_grammar is not None:
+            syntax = "gbnf" if "::=" in self.guided_grammar else "lark"
+            guided["guided_grammar"] = ("grammar", {"type": "grammar", "syntax": syntax,
+                                                    "grammar": self.guided_grammar})
+        return guided
+
+    @staticmethod
+    def _one_constraint(asked: dict[str, Any]) -> Any:
+        if len(asked) > 1:
+            raise InvalidParameter(next(iter(asked)), f"one output constraint per request, got {', '.join(asked)}")
+        return next(iter(asked.values()), None)
 
     def _request_fields(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
         sampling = {
@@ -105,18 +140,24 @@ class CompletionRequest(_CommonParams):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, description="the chosen tokens' logprobs and this many alternatives")
     best_of: int | None = None
     suffix: str | None = None
 
     def to_request_fields(self) -> dict[str, Any]:
         """The GenerationRequest fields (not yet validated) this request asks for."""
         self._check_supported()
-        for param, value, neutral in (("echo", self.echo, (None, False)), ("logprobs", self.logprobs, (None,)),
-                                      ("best_of", self.best_of, (None, 1)), ("suffix", self.suffix, (None, ""))):
+        for param, value, neutral in (("echo", self.echo, (None, False)), ("best_of", self.best_of, (None, 1)),
+                                      ("suffix", self.suffix, (None, ""))):
             if value not in neutral:
                 raise UnsupportedParameter(param, "not supported by genq")
         fields = self._request_fields(self.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if self.logprobs is not None:
+            fields["logprobs"] = True
+            fields["top_logprobs"] = self.logprobs
+        constraint = self._one_constraint({name: c for name, (_, c) in self._guided().items()})
+        if constraint is not None:
+            fields["constraint"] = constraint
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -165,18 +206,43 @@ class ChatCompletionRequest(_CommonParams):
 
     def to_request_fields(self) -> dict[str, Any]:
         self._check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise UnsupportedParameter("logprobs", "not supported by genq")
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
             raise UnsupportedParameter("tools", "tool calling is not supported by genq")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise UnsupportedParameter("response_format", "only the text format is supported")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self._request_fields(max_tokens, DEFAULT_MAX_NEW_TOKENS)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidParameter("top_logprobs", "needs logprobs: true (as in OpenAI's API)")
+        if self.logprobs:
+            fields["logprobs"] = True
+            fields["top_logprobs"] = self.top_logprobs or 0
+        asked = {name: c for name, (_, c) in self._guided().items()}
+        response_format = self._response_format()
+        if response_format is not None:
+            asked["response_format"] = response_format
+        constraint = self._one_constraint(asked)
+        if constraint is not None:
+            fields["constraint"] = constraint
         # OpenAI's "developer" role is its newer name for the system prompt.
         fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
                               for i, m in enumerate(self.messages)]
         return fields
+
+    def _response_format(self) -> dict[str, Any] | None:
+        """OpenAI's response_format as a protocol constraint (None for text)."""
+        format_ = self.response_format
+        kind = "text" if format_ is None else format_.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        if kind == "json_schema":
+            spec = format_.get("json_schema") if format_ else None
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidParameter("response_format.json_schema.schema",
+                                       'json_schema needs {"name": ..., "schema": {<a JSON Schema>}}')
+            return {"type": "json_schema", "json_schema": schema}
+        raise InvalidParameter("response_format.type", f"text, json_object or json_schema, got {kind!r}")
 
 
 # --- responses -----------------------------------------------------------------------
@@ -199,11 +265,60 @@ class CompletionUsage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens))
 
 
+class TopLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprobEntry):
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's logprobs object: one entry per generated token."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+    @classmethod
+    def from_tokens(cls, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if logprobs is None:
+            return None
+        return cls(content=[
+            ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
+                             top_logprobs=[TopLogprobEntry(token=t.token, logprob=t.logprob,
+                                                           bytes=list(t.token.encode())) for t in lp.top_logprobs])
+            for lp in logprobs
+        ])
+
+
+class CompletionLogprobs(BaseModel):
+    """The completions endpoint's (legacy) logprobs object: parallel lists per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def from_tokens(cls, logprobs: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        offsets = []
+        for lp in logprobs:
+            offsets.append(offset)
+            offset += len(lp.token)
+        return cls(tokens=[lp.token for lp in logprobs], token_logprobs=[lp.logprob for lp in logprobs],
+                   top_logprobs=[{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+                   text_offset=offsets)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: OpenAIFinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -224,7 +339,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: OpenAIFinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -252,7 +367,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: OpenAIFinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -283,12 +398,14 @@ def openai_finish_reason(finish_reason: str) -> OpenAIFinishReason:
 def completion_response(identifier: str, model: str, result: GenerationResult) -> Completion:
     return Completion(id=identifier, created=int(time.time()), model=model,
                       choices=[CompletionChoice(text=result.text,
-                                                finish_reason=openai_finish_reason(result.finish_reason))],
+                                                finish_reason=openai_finish_reason(result.finish_reason),
+                                                logprobs=CompletionLogprobs.from_tokens(result.logprobs))],
                       usage=CompletionUsage.from_usage(result.usage))
 
 
 def chat_response(identifier: str, model: str, result: GenerationResult) -> ChatCompletion:
     return ChatCompletion(id=identifier, created=int(time.time()), model=model,
                           choices=[ChatChoice(message=AssistantMessage(content=result.text),
-                                              finish_reason=openai_finish_reason(result.finish_reason))],
+                                              finish_reason=openai_finish_reason(result.finish_reason),
+                                              logprobs=ChatLogprobs.from_tokens(result.logprobs))],
                           usage=CompletionUsage.from_usage(result.usage))
