@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.constraints import unpack_masks
 from engine.outputs import TokenLogprob
 from engine.sampling import (
     BatchInputs,
@@ -231,13 +232,10 @@ class BatchSampler:
         return inputs
 
     def _allowed(self, rows: list[int], sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, [R, V] bool) from the constrained jobs' masks, computed when their last token was appended."""
-        masks = []
-        for row in rows:
-            constraint = sequences[row].constraint
-            assert constraint is not None
-            masks.append(constraint.sampling_mask())
-        return torch.tensor(rows, device=self.device), torch.stack(masks).to(self.device, non_blocking=True)
+        """(rows, [R, V] bool) from the constrained jobs' masks (computed while the forward ran)."""
+        states = [sequences[row].constraint for row in rows]
+        allowed = unpack_masks([state for state in states if state is not None], self.vocab_size)
+        return torch.tensor(rows, device=self.device), allowed.to(self.device, non_blocking=True)
 
     def _suppressed(self, sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, ids) of stop tokens blocked while min_new_tokens is not reached."""

@@ -12,18 +12,21 @@ the same library the worker runs, and it reads Lark and GBNF directly. At
 16.5 µs a row, a batch of 64 constrained jobs costs about 1 ms of CPU per
 step.
 
-A job's ConstraintState computes the mask of the tokens allowed next right
-after each token is appended (not inside the sampler), so it is ready before
-the next forward, and so a job whose grammar admits nothing but the end
-stops at once with eos_reason "constraint_complete" instead of spending a
-forward on a forced EOS (exllamav2's filter_prefer_eos). Grammars are
-compiled once per (constraint, tokenizer) and cached.
+A job's ConstraintState advances its matcher when a step's tokens are
+appended and then computes the next mask on a background thread while the
+next forward runs (exllamav2's filter_background_eval); a job whose grammar
+admits nothing but the end stops at once with eos_reason
+"constraint_complete" instead of spending a forward on a forced EOS
+(exllamav2's filter_prefer_eos). Grammars are compiled once per
+(constraint, tokenizer) and cached.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -36,6 +39,9 @@ from engine.errors import JobRejected
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
 GRAMMAR_CACHE_SIZE = 256
+MASK_THREADS = 1
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+"""Row b: the 8 bits of byte value b, lowest first."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,16 @@ class Constraint:
         return grammar
 
 
+@dataclass
+class MaskTimes:
+    """Where constraint masks cost time: computing them (on the mask thread) and waiting for
+    them (the part left on a step's critical path, in the sampler)."""
+
+    computed_s: float = 0.0
+    waited_s: float = 0.0
+    masks: int = 0
+
+
 class ConstraintCompiler:
     """A tokenizer's llguidance view, and the grammars compiled for it (cached)."""
 
@@ -91,6 +107,9 @@ class ConstraintCompiler:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+        self.times = MaskTimes()
+        # Masks are computed here while the model's forward runs (llguidance releases the GIL).
+        self.pool = ThreadPoolExecutor(MASK_THREADS, thread_name_prefix="genq-masks")
 
     def start(self, constraint: Constraint, stop_token_ids: frozenset[int]) -> ConstraintState:
         """A fresh matcher for one job; JobRejected naming the problem for a bad constraint."""
@@ -101,7 +120,7 @@ class ConstraintCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar)
         if matcher.is_error():
             raise JobRejected(f"constraint: {matcher.get_error()}")
-        return ConstraintState(matcher, self.vocab_size, self.eos_token_id, stop_token_ids)
+        return ConstraintState(matcher, self.vocab_size, self.eos_token_id, stop_token_ids, self.pool, self.times)
 
 
 def _one_line(problem: str) -> str:
@@ -129,49 +148,73 @@ def compiled_grammar(constraint: Constraint) -> str:
 
 
 class ConstraintState:
-    """One job's matcher and the tokens it allows next. The grammar's own end
-    (llguidance's EOS token, allowed once the output is complete) becomes the
-    job's stop tokens, whatever they are."""
+    """One job's matcher and the tokens it allows next. After each step's tokens
+    are consumed, the next mask is computed on the mask thread, in the background
+    of the next forward (exllamav2's filter_background_eval); the sampler waits
+    for it only if it is not ready yet. The grammar's own end (llguidance's EOS
+    token, allowed once the output may end) becomes the job's stop tokens."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_id: int | None,
-                 stop_token_ids: frozenset[int]) -> None:
+                 stop_token_ids: frozenset[int], pool: ThreadPoolExecutor, times: MaskTimes) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id if eos_token_id is not None and 0 <= eos_token_id < vocab_size else None
         self.stop_token_ids = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
-        self.mask = torch.zeros(vocab_size, dtype=torch.bool)
-        self.complete = False
-        self._refresh()
+        self.pool = pool
+        self.times = times
+        self.bitmask_words = (vocab_size + 31) // 32
+        self.complete = matcher.is_stopped()
+        self._mask: torch.Tensor | Future[torch.Tensor] = self._compute()
 
-    def sampling_mask(self) -> torch.Tensor:
-        """[vocab] bool: the tokens the job may sample next."""
-        return self.mask
+    def packed_mask(self) -> torch.Tensor:
+        """[ceil(vocab / 32)] int32: bit t of the mask says whether token t may come next
+        (llguidance's EOS bit meaning "the output may end here"); unpack_masks() reads it."""
+        if isinstance(self._mask, Future):
+            started = time.perf_counter()
+            self._mask = self._mask.result()
+            self.times.waited_s += time.perf_counter() - started
+        return self._mask
 
     def consume(self, tokens: Sequence[int]) -> None:
-        """Advance past the tokens a step appended (a stop token ends the job and is not consumed)."""
+        """Advance past the tokens a step appended (a stop token ends the job and is not consumed),
+        then start computing the next mask."""
         stops = set(self.stop_token_ids)
+        self.packed_mask()  # the mask thread must not read the matcher while it moves
         for token in tokens:
             if token in stops:
                 return
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"constraint: token {token} was sampled but the grammar refuses it "
                                    f"({self.matcher.get_error()})")
-        self._refresh()
+        self.complete = self.matcher.is_stopped()
+        if not self.complete:
+            self._mask = self.pool.submit(self._compute)
 
-    def _refresh(self) -> None:
-        """The next mask, and whether nothing but the end is left."""
-        if self.matcher.is_stopped():
-            self.mask.zero_()
-            self.mask[self.stop_token_ids] = True
-            self.complete = True
-            return
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        bits = (self.bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        mask = bits.reshape(-1)[: self.vocab_size].bool()
-        may_end = self.eos_token_id is not None and bool(mask[self.eos_token_id])
-        if self.eos_token_id is not None:
-            mask[self.eos_token_id] = False
-        self.complete = not bool(mask.any())
-        mask[self.stop_token_ids] = may_end
-        self.mask = mask
+    def _compute(self) -> torch.Tensor:
+        started = time.perf_counter()
+        bitmask = torch.zeros(1, self.bitmask_words, dtype=torch.int32)
+        if not self.matcher.is_stopped():
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        elif self.eos_token_id is not None:
+            bitmask[0, self.eos_token_id // 32] = 1 << (self.eos_token_id % 32)
+        self.times.computed_s += time.perf_counter() - started
+        self.times.masks += 1
+        return bitmask[0]
+
+
+def unpack_masks(states: Sequence[ConstraintState], vocab_size: int) -> torch.Tensor:
+    """[R, vocab] bool: what each job may sample next, from the states' packed masks, unpacked in one
+    batched operation; where a grammar may end (its EOS bit), the job's own stop tokens are allowed."""
+    packed = torch.stack([state.packed_mask() for state in states])
+    # Little-endian words: byte k of a row is bits 8k..8k+7, so a byte -> 8 bools table unpacks it.
+    allowed = _BYTE_BITS[packed.view(torch.uint8).long()].reshape(len(states), -1)[:, :vocab_size]
+    eos = states[0].eos_token_id
+    if eos is None:
+        return allowed
+    may_end = allowed[:, eos].clone()
+    allowed[:, eos] = False
+    rows = [row for row, state in enumerate(states) for _ in state.stop_token_ids]
+    if rows:
+        ids = [token for state in states for token in state.stop_token_ids]
+        allowed[rows, ids] = may_end[rows]
+    return allowed

@@ -83,6 +83,9 @@ class GeneratorStats:
     preemptions: int
     drafted_tokens: int
     accepted_draft_tokens: int
+    constraint_masks: int = 0
+    constraint_mask_s: float = 0.0  # computing constraint masks, on the mask thread
+    constraint_mask_wait_s: float = 0.0  # of which the sampler waited for (on the step's critical path)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -323,7 +326,15 @@ class Generator:
             preemptions=self.scheduler.num_preemptions,
             drafted_tokens=self._drafted_tokens,
             accepted_draft_tokens=self._accepted_draft_tokens,
+            **self._mask_stats(),
         )
+
+    def _mask_stats(self) -> dict[str, Any]:
+        times = self._constraint_compiler.times if self._constraint_compiler is not None else None
+        if times is None:
+            return {}
+        return {"constraint_masks": times.masks, "constraint_mask_s": times.computed_s,
+                "constraint_mask_wait_s": times.waited_s}
 
     def iterate(self) -> list[Result]:
         """One scheduling step and one batched forward; returns every result

@@ -279,7 +279,10 @@ def edited_logits(logits: torch.Tensor, inputs: BatchInputs) -> tuple[torch.Tens
         x[inputs.masked] = -math.inf
     if inputs.allowed is not None:
         rows, allowed = inputs.allowed
-        x[rows] = x[rows].masked_fill(~allowed, -math.inf)
+        if rows.shape[0] == x.shape[0]:  # every row constrained: in place, no gather/scatter of rows
+            x.masked_fill_(~allowed, -math.inf)
+        else:
+            x[rows] = x[rows].masked_fill(~allowed, -math.inf)
     if inputs.repetition_penalty is not None and inputs.seen is not None:
         if x.is_cuda:
             penalty = inputs.repetition_penalty[:, None]

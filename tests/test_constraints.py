@@ -77,6 +77,9 @@ def test_200_sampled_completions_under_a_nested_json_schema_all_validate(generat
         jsonschema.validate(json.loads(final["text"]), SCHEMA)
         assert final["reason"] is FinishReason.CONSTRAINT_COMPLETE
     assert len({f["text"] for f in finals.values()}) > 100  # sampled, not one forced answer
+    stats = generator.stats  # masks were computed in the background of the forwards
+    assert stats.constraint_masks >= sum(len(f["ids"]) for f in finals.values())
+    assert 0 < stats.constraint_mask_wait_s <= stats.constraint_mask_s + 0.5
 
 
 def test_200_sampled_completions_match_a_regex_and_a_choice_list(generator: Generator):
