@@ -190,6 +190,26 @@ class ConstraintState:
         if not self.complete:
             self._mask = self.pool.submit(self._compute)
 
+    def valid_prefix(self, draft: Sequence[int]) -> list[int]:
+        """The longest start of a speculative draft the grammar accepts (stop tokens end it)."""
+        self.packed_mask()
+        stops = set(self.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+        cut = next((i for i, token in enumerate(draft) if token in stops), len(draft))
+        accepted = self.matcher.try_consume_tokens(list(draft[:cut]))
+        self.matcher.rollback(accepted)
+        return list(draft[:accepted])
+
+    def draft_masks(self, draft: Sequence[int]) -> torch.Tensor:
+        """[len(draft) + 1, vocab] bool: what may be sampled at each verify position (after
+        none, one, ... all of the draft's tokens); the matcher is rolled back after."""
+        packed = [self.packed_mask()]
+        for token in draft:
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"constraint: draft token {token} is not a valid continuation")
+            packed.append(self._compute())
+        self.matcher.rollback(len(draft))
+        return _unpack(torch.stack(packed), [self.stop_token_ids] * len(packed), self.eos_token_id, self.vocab_size)
+
     def _compute(self) -> torch.Tensor:
         started = time.perf_counter()
         bitmask = torch.zeros(1, self.bitmask_words, dtype=torch.int32)
@@ -206,15 +226,17 @@ def unpack_masks(states: Sequence[ConstraintState], vocab_size: int) -> torch.Te
     """[R, vocab] bool: what each job may sample next, from the states' packed masks, unpacked in one
     batched operation; where a grammar may end (its EOS bit), the job's own stop tokens are allowed."""
     packed = torch.stack([state.packed_mask() for state in states])
+    return _unpack(packed, [state.stop_token_ids for state in states], states[0].eos_token_id, vocab_size)
+
+
+def _unpack(packed: torch.Tensor, stops: Sequence[Sequence[int]], eos: int | None, vocab_size: int) -> torch.Tensor:
     # Little-endian words: byte k of a row is bits 8k..8k+7, so a byte -> 8 bools table unpacks it.
-    allowed = _BYTE_BITS[packed.view(torch.uint8).long()].reshape(len(states), -1)[:, :vocab_size]
-    eos = states[0].eos_token_id
+    allowed = _BYTE_BITS[packed.view(torch.uint8).long()].reshape(packed.shape[0], -1)[:, :vocab_size]
     if eos is None:
         return allowed
     may_end = allowed[:, eos].clone()
     allowed[:, eos] = False
-    rows = [row for row, state in enumerate(states) for _ in state.stop_token_ids]
+    rows = [row for row, ids in enumerate(stops) for _ in ids]
     if rows:
-        ids = [token for state in states for token in state.stop_token_ids]
-        allowed[rows, ids] = may_end[rows]
+        allowed[rows, [token for ids in stops for token in ids]] = may_end[rows]
     return allowed

@@ -15,6 +15,7 @@ appear in the text; stop strings never appear in the text either.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -37,7 +38,14 @@ from engine.kv_manager import KVManager
 from engine.model import CausalLM
 from engine.model_runner import BatchRow, ModelRunner
 from engine.outputs import EngineOutput, FinishReason, Stage, TokenLogprob
-from engine.sampling import SamplerSettings, SamplingRow, sample, sampling_probs
+from engine.sampling import (
+    SamplerSettings,
+    SamplingRow,
+    edited_logits,
+    inputs_from_rows,
+    sample,
+    sampling_probs,
+)
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import NgramDrafter, draw, verify
@@ -416,9 +424,15 @@ class Generator:
         for i, logprob in logprobs.items():
             step.plain[i][0].logprobs.append(logprob)
         accepted: dict[int, int] = {}
+        speculated_logprobs: dict[int, list[TokenLogprob]] = {}
         for sequence, row, draft in step.speculated:
-            verified = self._verify(sequence, logits[row : row + 1 + len(draft)], draft,
-                                    step.draft_probs.get(sequence.serial))
+            rows_logits = logits[row : row + 1 + len(draft)]
+            if sequence.constraint is not None:  # each verify position sampled under its own mask
+                allowed = sequence.constraint.draft_masks(draft).to(rows_logits.device)
+                rows_logits = rows_logits.masked_fill(~allowed, -math.inf)
+            verified = self._verify(sequence, rows_logits, draft, step.draft_probs.get(sequence.serial))
+            if sequence.job.logprobs:
+                speculated_logprobs[sequence.serial] = self._verify_logprobs(sequence, rows_logits, draft, verified)
             self.sampler.record(sequence, verified)
             accepted[sequence.serial] = len(verified) - 1
             emitted.append((sequence, verified))
@@ -427,6 +441,8 @@ class Generator:
             if sequence.serial not in self._sequences:
                 continue  # a stop string ended it while this step ran
             kept, done = self._append_tokens(sequence, new)
+            if sequence.serial in speculated_logprobs:
+                sequence.logprobs.extend(speculated_logprobs[sequence.serial][: len(kept)])
             self._pending.append((sequence, kept))
             if done:
                 ended.append(sequence)
@@ -453,15 +469,23 @@ class Generator:
     ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Draft tokens into the room the scheduler left: serial -> draft ids,
         and the draft model's distributions for sampled jobs (verify needs q)."""
-        # Constrained jobs and jobs asking for logprobs draft nothing (their rows are sampled plainly).
-        items = [item for item in items if item.sequence.constraint is None and not item.sequence.job.logprobs]
         if not items:
             return {}, {}
         if self.ngram_drafter is not None:
-            return {item.sequence.serial: self.ngram_drafter(item.sequence)[: item.draft_room] for item in items}, {}
-        if self.draft_model is not None and self.draft_cache is not None:
-            return self._draft_with_model(items)
-        return {}, {}
+            drafts = {item.sequence.serial: self.ngram_drafter(item.sequence)[: item.draft_room] for item in items}
+            probs: dict[int, torch.Tensor] = {}
+        elif self.draft_model is not None and self.draft_cache is not None:
+            drafts, probs = self._draft_with_model(items)
+        else:
+            return {}, {}
+        for item in items:  # a constrained job's draft stops where its grammar would refuse it
+            constraint = item.sequence.constraint
+            serial = item.sequence.serial
+            if constraint is not None and drafts.get(serial):
+                drafts[serial] = constraint.valid_prefix(drafts[serial])
+                if serial in probs:
+                    probs[serial] = probs[serial][: len(drafts[serial])]
+        return drafts, probs
 
     @torch.inference_mode()
     def _draft_with_model(self, items: list[ScheduledSequence]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
@@ -500,6 +524,23 @@ class Generator:
         self._accepted_draft_tokens += accepted
         self._drafted_tokens += len(draft)
         return tokens
+
+    def _verify_logprobs(self, sequence: Sequence, logits: torch.Tensor, draft: list[int], verified: list[int]
+                         ) -> list[TokenLogprob]:
+        """The logprobs of a speculated step's emitted tokens, each from its own verify position,
+        as the batched sampler computes them for plain rows (edited logits at the job's temperature)."""
+        rows = [self._sampling_row(sequence, draft[:i]) for i in range(len(verified))]
+        x, _ = edited_logits(logits[: len(verified)], inputs_from_rows(logits[: len(verified)], rows))
+        temperature = sequence.job.gen_settings.temperature or 1.0
+        logprobs = torch.log_softmax(x.float() / temperature, dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(verified, device=logprobs.device)[:, None]).squeeze(1).tolist()
+        k = sequence.job.top_logprobs
+        top = logprobs.topk(k, dim=-1) if k else None
+        values = top.values.tolist() if top is not None else [[]] * len(verified)
+        ids = top.indices.tolist() if top is not None else [[]] * len(verified)
+        return [TokenLogprob(token, chosen[i], tuple((t, v) for t, v in zip(ids[i], values[i], strict=True)
+                                                     if v != -math.inf))
+                for i, token in enumerate(verified)]
 
     def generate(
         self,

@@ -248,7 +248,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     _check_batch(logits, rows)
     if _plain_greedy(rows):
         return logits.argmax(dim=-1)
-    inputs = _inputs_from_rows(logits, rows)
+    inputs = inputs_from_rows(logits, rows)
     x, bad = edited_logits(logits, inputs)
     _raise_if_bad(bad, logits, x, rows)
     return choose(x, inputs, _uniforms_from_rows(rows, logits.device))
@@ -263,7 +263,7 @@ def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if _plain_greedy(rows):
         out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    inputs = _inputs_from_rows(logits, rows)
+    inputs = inputs_from_rows(logits, rows)
     x, bad = edited_logits(logits, inputs)
     _raise_if_bad(bad, logits, x, rows)
     return distribution(x, inputs)
@@ -351,7 +351,7 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _inputs_from_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> BatchInputs:
+def inputs_from_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> BatchInputs:
     """BatchInputs built from per-row Python settings and id lists (the functional API)."""
     device = logits.device
     batch, vocab = logits.shape

@@ -128,11 +128,26 @@ def test_constraints_give_the_same_greedy_output_with_prefix_cache_and_speculati
     jobs = lambda: [Job(shared + tail, 80, constraint=Constraint.json_schema(SCHEMA), identifier=i)  # noqa: E731
                     for i, tail in enumerate(prompts(6, seed=6))]
     plain = run(Generator.from_pretrained(model, cache_tokens=4096, page_size=8, prefix_caching=False), jobs())
-    cached = run(Generator.from_pretrained(model, cache_tokens=4096, page_size=8), jobs())
-    speculating = run(Generator.from_pretrained(model, cache_tokens=4096, page_size=8, use_ngram_draft=True), jobs())
+    cached_generator = Generator.from_pretrained(model, cache_tokens=4096, page_size=8)
+    cached = run(cached_generator, jobs())
+    speculating_generator = Generator.from_pretrained(model, cache_tokens=4096, page_size=8, use_ngram_draft=True)
+    speculating = run(speculating_generator, jobs())
     assert cached == plain == speculating
+    assert cached_generator.stats.cached_prompt_tokens > 0
+    drafted, accepted = speculating_generator.stats.drafted_tokens, speculating_generator.stats.accepted_draft_tokens
+    assert drafted > accepted > 0  # drafts were verified under the grammar, some kept and some refused
     for final in plain.values():
         jsonschema.validate(json.loads(final["text"]), SCHEMA)
+
+
+def test_sampled_constrained_jobs_stay_valid_while_speculating(tiny_model_factory: Callable[..., Path]):
+    generator = Generator.from_pretrained(tiny_model_factory("llama"), cache_tokens=8192, page_size=8,
+                                          use_ngram_draft=True, max_speculative_batch=64)
+    jobs = [Job(prompt * 3, 120, constraint=Constraint.json_schema(SCHEMA), gen_settings=SAMPLED, seed=i,
+                identifier=i) for i, prompt in enumerate(prompts(40, seed=7))]
+    for final in run(generator, jobs).values():
+        jsonschema.validate(json.loads(final["text"]), SCHEMA)
+    assert generator.stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize(("constraint", "problem"), [

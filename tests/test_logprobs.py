@@ -99,3 +99,19 @@ def test_logprobs_stay_aligned_when_a_stop_string_takes_tokens_back(llama_dir: P
     assert any(final["reason"] == "stop_string" for final in finals.values())
     for final in finals.values():
         assert [lp.token_id for lp in final["logprobs"]] == final["ids"]
+
+
+def test_speculated_tokens_get_the_logprobs_plain_decoding_gives_them(llama_dir: Path):
+    """n-gram drafts emit several tokens per step; each keeps its own position's logprob."""
+    looping = [[7, 8, 9, 10] * 6, [20, 21] * 10, [30, 31, 32] * 7]
+    jobs = lambda: [Job(p, 24, stop_conditions=[], identifier=i, top_logprobs=3)  # noqa: E731
+                    for i, p in enumerate(looping)]
+    plain = collect(Generator.from_pretrained(llama_dir, cache_tokens=2048, page_size=8), jobs())
+    speculating = Generator.from_pretrained(llama_dir, cache_tokens=2048, page_size=8, use_ngram_draft=True)
+    drafted = collect(speculating, jobs())
+    assert speculating.stats.accepted_draft_tokens > 0
+    for identifier, final in plain.items():
+        assert drafted[identifier]["ids"] == final["ids"]
+        for ours, theirs in zip(drafted[identifier]["logprobs"], final["logprobs"], strict=True):
+            assert ours.token_id == theirs.token_id and abs(ours.logprob - theirs.logprob) < 1e-4
+            assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
