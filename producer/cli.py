@@ -168,14 +168,45 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
         request["ignore_eos"] = True
     if args.id is not None:
         request["identifier"] = args.id
+    constraint = _constraint_from_args(args)
+    if constraint is not None:
+        request["constraint"] = constraint
+    if args.top_logprobs is not None:
+        request["logprobs"] = True
+        request["top_logprobs"] = args.top_logprobs
     return request
+
+
+def _constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(_read_text(args.json_schema, "--json-schema"))
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--json-schema {args.json_schema}: not JSON ({error})") from None
+        return {"type": "json_schema", "json_schema": schema}
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.regex is not None:
+        return {"type": "regex", "pattern": args.regex}
+    if args.choice:
+        return {"type": "choice", "choices": args.choice}
+    if args.grammar is not None:
+        text = _read_text(args.grammar, "--grammar")
+        return {"type": "grammar", "syntax": "gbnf" if "::=" in text else "lark", "grammar": text}
+    return None
+
+
+def _read_text(path: str, option: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"{option} {path}: {error}") from None
 
 
 def _load_messages(path: str) -> Any:
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-        return json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return json.loads(_read_text(path, "--messages"))
+    except json.JSONDecodeError as error:
         raise UsageError(f"--messages {path}: {error}") from None
 
 

@@ -69,6 +69,21 @@ def test_submit_prints_the_id_then_the_text_or_the_json_result(genq):
     assert json.loads(as_json.stdout)["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "cached_tokens": 0}
 
 
+def test_constraints_and_logprobs_from_the_command_line(genq, tmp_path: Path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    run = genq("submit", "Answer", "--json-schema", str(schema), "--max-new-tokens", "20")
+    assert run.returncode == 0, run.stderr
+    assert set(json.loads(run.stdout)) == {"ok"}
+    picked = genq("submit", "Pick", "--choice", "red", "--choice", "blue", "--top-logprobs", "2", "--json")
+    assert picked.returncode == 0, picked.stderr
+    result = json.loads(picked.stdout)
+    assert result["text"] in ("red", "blue") and len(result["logprobs"]) == len(result["token_ids"])
+    both = genq("submit", "x", "--regex", "a+", "--choice", "b")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
 def test_chat_messages_from_a_file(genq, tmp_path: Path):
     messages = tmp_path / "chat.json"
     messages.write_text(json.dumps([{"role": "user", "content": "Hello there"}]))

@@ -188,14 +188,16 @@ def test_a_client_with_a_watchdog_resends_what_the_broker_lost(
 ):
     celery = plain_client(server.url)
     check = redis.Redis.from_url(server.url)
-    # The worker must have stopped consuming before the request is sent (its reply says so).
-    replies = celery.control.cancel_consumer(QUEUE, destination=[worker.node], reply=True, timeout=30, limit=1)
-    assert any(worker.node in reply for reply in replies), replies
+    # A queue the worker does not consume yet, so the message surely waits there to be lost
+    # (stopping a consumer can race a pop already in flight).
+    lost_queue = f"{QUEUE}-lost"
     monkeypatch.setenv("GENQ_WATCHDOG_AFTER_S", "1")
-    with GenqClient(server.url, queue=QUEUE) as client:
+    with GenqClient(server.url, queue=lost_queue) as client:
         handle = client.submit({"prompt": "lost in the broker", "max_new_tokens": 8, "identifier": "dropped-1"})
-        assert check.delete(QUEUE) == 1  # the message is gone, as when a pop is lost
-        celery.control.add_consumer(QUEUE, destination=[worker.node], reply=True)
+        assert check.delete(lost_queue) == 1  # the message is gone, as when a pop is lost
+        replies = celery.control.add_consumer(lost_queue, destination=[worker.node], reply=True, timeout=30,
+                                              limit=1)
+        assert any(worker.node in reply for reply in replies), replies
         result = handle.result(timeout=60)
         assert result.usage.completion_tokens == 8 and client.watchdog is not None
         assert client.watchdog.resent == 1

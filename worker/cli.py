@@ -321,6 +321,17 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
                         help="deadline S seconds from now: the generation stops there (exit 4); the request is "
                              "cancelled if no result comes")
     submit.add_argument("--queue", help="the queue of the model to use (GENQ_QUEUE, default genq)")
+    constraint = submit.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", dest="json_schema", metavar="FILE",
+                            help="the output is JSON valid under this JSON Schema (a file; - = stdin)")
+    constraint.add_argument("--json-object", dest="json_object", action="store_true",
+                            help="the output is a JSON object")
+    constraint.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    constraint.add_argument("--choice", action="append", metavar="TEXT",
+                            help="the output is one of these (repeat the option for each choice)")
+    constraint.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar")
+    submit.add_argument("--top-logprobs", dest="top_logprobs", type=int, metavar="K",
+                        help="with --json: each token's log-probability and K alternatives (0 to 20)")
 
     stream = add("stream", "print a request's text from the start, as it is generated",
                  "Follow a request sent by anyone: its text so far from the replay stream, then live.")
