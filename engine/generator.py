@@ -30,7 +30,7 @@ import torch
 from engine.batch_sampler import BatchSampler
 from engine.cache import KVCache, PagePool
 from engine.config import ModelConfig
-from engine.constraints import ConstraintCompiler
+from engine.constraints import ConstraintCompiler, compiled_grammar
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import JobRejected, QueueFull
 from engine.job import Job
@@ -243,9 +243,35 @@ class Generator:
 
     # -- the job API -------------------------------------------------------
 
-    def enqueue(self, job: Job) -> int:
-        """Queue a job; returns its serial. Raises JobRejected if it can never
-        run here, QueueFull if max_pending jobs are already waiting."""
+    def enqueue(self, job: Job | Seq[Job]) -> int | list[int]:
+        """Queue a job (or a list of jobs, in order: their serials); returns its serial. Raises
+        JobRejected if it can never run here, QueueFull if max_pending jobs are already waiting.
+        A list is checked whole first, so it is queued entirely or not at all."""
+        if not isinstance(job, Job):
+            jobs = list(job)
+            if len(self.scheduler.waiting) + len(jobs) > self.max_pending:
+                raise QueueFull(f"{len(self.scheduler.waiting)} jobs pending + {len(jobs)} would exceed "
+                                f"max_pending={self.max_pending}")
+            for each in jobs:
+                self._check_fits(each)
+                self._check_settings(each.gen_settings)
+                if each.constraint is not None:
+                    try:
+                        compiled_grammar(each.constraint)
+                    except ValueError as error:
+                        raise JobRejected(f"constraint: {error}") from None
+            return [self._enqueue(each) for each in jobs]
+        return self._enqueue(job)
+
+    def clear_queue(self) -> int:
+        """Cancel every job, waiting or running (as exllamav2's clear_queue); their final results
+        (eos_reason cancelled) come with the next iterate(). Returns how many were cancelled."""
+        serials = list(self._sequences)
+        for serial in serials:
+            self.cancel(serial)
+        return len(serials)
+
+    def _enqueue(self, job: Job) -> int:
         self._check_fits(job)
         self._check_settings(job.gen_settings)
         if len(self.scheduler.waiting) >= self.max_pending:
@@ -596,6 +622,9 @@ class Generator:
         bad = next((t for t in job.input_ids if not 0 <= t < vocab and t not in job.embedding_rows), None)
         if bad is not None:
             raise JobRejected(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab})")
+        if job.embeddings and self.draft_model is not None:
+            raise JobRejected("embeddings: not supported with a draft model (it has no rows for the embedding "
+                              "tokens); use n-gram drafts (use_ngram_draft=True) or no speculation")
         hidden = self.model.config.hidden_size
         for embedding in job.embeddings:
             if embedding.vectors.shape[1] != hidden:
@@ -719,6 +748,7 @@ class Generator:
         result = self._final_result(sequence, text, token_ids, reason)
         if isinstance(trigger, int):
             result.eos_token_id = trigger
+            result.eos_token_str = self.tokenizer.decode([trigger], skip_special_tokens=False)
         elif isinstance(trigger, str):
             result.eos_string = trigger
         return result

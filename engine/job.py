@@ -29,7 +29,7 @@ class Job:
         input_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int,
         min_new_tokens: int = 0,
-        stop_conditions: Iterable[int | str] | None = None,
+        stop_conditions: Iterable[int | str] | str | int | None = None,
         gen_settings: SamplerSettings | None = None,
         identifier: Any = None,
         seed: int | None = None,
@@ -98,7 +98,11 @@ def _as_token_list(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return tokens
 
 
-def _split_stop_conditions(conditions: Iterable[int | str]) -> tuple[frozenset[int], tuple[str, ...]]:
+def _split_stop_conditions(conditions: Iterable[int | str] | str | int) -> tuple[frozenset[int], tuple[str, ...]]:
+    """A bare string is one stop string and a bare int one stop token (iterating "###" would
+    otherwise stop on every "#")."""
+    if isinstance(conditions, str | int):
+        conditions = [conditions]
     token_ids: set[int] = set()
     strings: list[str] = []
     for condition in conditions:

@@ -34,6 +34,12 @@ class FinishReason(StrEnum):
 
 
 _ALWAYS = ("job", "serial", "identifier", "stage", "eos", "text", "token_ids")
+EXLLAMAV2_NAMES = {
+    "eos_triggering_token_id": "eos_token_id",
+    "eos_triggering_token_str": "eos_token_str",
+    "eos_triggering_string": "eos_string",
+}
+"""exllamav2's result keys for the fields genq names shorter; item access takes either."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,7 @@ class EngineOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, for jobs that ask (Job(logprobs=...))
     eos_reason: FinishReason | None = None
     eos_token_id: int | None = None
+    eos_token_str: str | None = None  # the stop token's text
     eos_string: str | None = None
     full_completion: str | None = None
     completion_ids: list[int] | None = None
@@ -88,6 +95,7 @@ class EngineOutput:
         return [name for name in _ALL if name not in _OPTIONAL or getattr(self, name) is not None]
 
     def __contains__(self, key: object) -> bool:
+        key = EXLLAMAV2_NAMES.get(key, key)  # type: ignore[call-overload]
         if key in _ALWAYS:
             return True
         if key == "logprobs":
@@ -99,12 +107,12 @@ class EngineOutput:
     def __getitem__(self, key: str) -> Any:
         if key not in self:
             raise KeyError(key)
-        return getattr(self, key)
+        return getattr(self, EXLLAMAV2_NAMES.get(key, key))
 
     def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self else default
+        return getattr(self, EXLLAMAV2_NAMES.get(key, key)) if key in self else default
 
 
 _ALL = tuple(f.name for f in fields(EngineOutput))
-_OPTIONAL = frozenset({"eos_token_id", "eos_string", "logprobs", "completion_logprobs"})
+_OPTIONAL = frozenset({"eos_token_id", "eos_token_str", "eos_string", "logprobs", "completion_logprobs"})
 """Keys present only when set: the stop trigger that applied, logprobs for jobs that asked."""

@@ -1,0 +1,78 @@
+"""exllamav2's job API details (issue 12): a bare stop string is one stop
+string, enqueue takes a list (all or nothing), clear_queue cancels every job,
+the final result answers to exllamav2's eos_triggering_* names, and a draft
+model refuses jobs with embeddings instead of crashing the step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Embedding, FinishReason, Generator, Job, JobRejected, QueueFull
+
+
+def drain(generator: Generator) -> dict[object, object]:
+    finals = {}
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result.eos:
+                finals[result.identifier] = result
+    return finals
+
+
+def test_a_bare_stop_string_is_one_stop_string_and_a_bare_int_one_stop_token():
+    assert Job([5, 6], 4, stop_conditions="###").stop_strings == ("###",)
+    job = Job([5, 6], 4, stop_conditions=7)
+    assert job.stop_token_ids == frozenset({7}) and job.stop_strings == ()
+
+
+def test_enqueue_takes_a_list_whole_or_not_at_all(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8, max_pending=8)
+    serials = generator.enqueue([Job([5, 6, 7], 3, identifier=i) for i in range(3)])
+    assert serials == [0, 1, 2] and generator.num_pending_jobs() == 3
+    with pytest.raises(JobRejected, match="exceeds max_seq_len"):
+        generator.enqueue([Job([5], 2, identifier="ok"), Job([5] * 2000, 2, identifier="too long")])
+    with pytest.raises(QueueFull, match="max_pending=8"):
+        generator.enqueue([Job([5], 2) for _ in range(6)])
+    assert generator.num_pending_jobs() == 3  # neither list left a job behind
+    assert sorted(drain(generator)) == [0, 1, 2]
+
+
+def test_clear_queue_cancels_waiting_and_running_jobs_and_frees_their_pages(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8, max_batch_size=2)
+    generator.enqueue([Job([5, 6, 7, 8] * 3, 50, stop_conditions=[], identifier=i) for i in range(4)])
+    generator.iterate()
+    assert generator.num_active_jobs() == 2 and generator.num_pending_jobs() == 2
+    assert generator.clear_queue() == 4
+    finals = drain(generator)
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert all(r.eos_reason is FinishReason.CANCELLED for r in finals.values())
+    assert generator.pool.num_used == 0
+
+
+def test_the_final_result_answers_to_exllamav2_names(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8)
+    eos = generator.tokenizer.eos_token_id
+    # Every token is a stop token: the first one generated ends the job.
+    generator.enqueue(Job([5, 6, 7], 8, stop_conditions=list(range(generator.model.config.vocab_size)),
+                          identifier="x"))
+    result = drain(generator)["x"]
+    token = result.completion_ids[-1]
+    assert result.eos_reason is FinishReason.STOP_TOKEN
+    assert result["eos_triggering_token_id"] == result.eos_token_id == token
+    assert result["eos_triggering_token_str"] == generator.tokenizer.decode([token], skip_special_tokens=False)
+    assert "eos_triggering_string" not in result and result.get("eos_triggering_string") is None
+    assert eos is not None
+
+
+def test_a_draft_model_refuses_jobs_with_embeddings_clearly(tiny_model_factory: Callable[..., Path]):
+    path = tiny_model_factory("llama")
+    generator = Generator.from_pretrained(path, cache_tokens=1024, page_size=8, draft_model_path=path)
+    embedding = Embedding(torch.randn(2, generator.model.config.hidden_size))
+    with pytest.raises(JobRejected, match="embeddings: not supported with a draft model"):
+        generator.enqueue(Job([5, *embedding.token_ids, 6], 4, embeddings=[embedding]))
+    generator.enqueue(Job([5, 6, 7], 4, identifier="plain"))
+    assert list(drain(generator)) == ["plain"]
