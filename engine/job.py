@@ -38,6 +38,8 @@ class Job:
         constraint: Constraint | None = None,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        priority: int = 0,
+        max_skips: int | None = None,
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -76,6 +78,12 @@ class Job:
         # top_logprobs implies logprobs, as in OpenAI's API
         self.logprobs = bool(logprobs) or top_logprobs > 0
         self.top_logprobs = top_logprobs
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower is admitted first), got {priority!r}")
+        self.priority = priority
+        if max_skips is not None and (not isinstance(max_skips, int) or max_skips < 0):
+            raise ValueError(f"max_skips must be an integer >= 0 or None (the generator's), got {max_skips!r}")
+        self.max_skips = max_skips
         self.serial: int | None = None
 
     def __repr__(self) -> str:

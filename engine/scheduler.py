@@ -22,8 +22,10 @@ A sequence that needs a page when none is free makes the scheduler preempt
 the newest running sequence (vLLM's recompute policy): its pages are freed
 and it goes back to the head of the queue with its generated tokens kept, to
 be prefilled again later. Admission may pass over a waiting sequence that
-does not fit yet, but at most max_skips times; after that nothing overtakes
-it, so no job starves.
+does not fit yet, but at most max_skips times (the job's own, else the
+generator's); after that nothing overtakes it, so no job starves. Waiting
+sequences are ordered by their job's priority (lower first, then arrival);
+a running job is never preempted for a more urgent one.
 
 The schedule a step returns is immutable. After the forward, the generator
 appends the sampled tokens to the sequences and calls update_from_output with
@@ -106,7 +108,12 @@ class Scheduler:
         return len(self._running)
 
     def add(self, sequence: Sequence) -> None:
-        self.waiting.append(sequence)
+        """Queue a sequence behind every waiting one of the same or a more urgent (lower) priority."""
+        priority = sequence.job.priority
+        position = len(self.waiting)
+        while position > 0 and self.waiting[position - 1].job.priority > priority:
+            position -= 1
+        self.waiting.insert(position, sequence)
 
     def remove(self, sequence: Sequence) -> None:
         """Drop a finished or cancelled sequence and free its pages now."""
@@ -166,7 +173,7 @@ class Scheduler:
         for sequence in list(self.waiting):
             if step.budget == 0 or len(self._running) >= self.max_batch_size:
                 break
-            if any(s.skips >= self.max_skips for s in passed_over):
+            if any(s.skips >= self._skip_limit(s) for s in passed_over):
                 break
             prefix = kv.cached_prefix(sequence)
             needed = kv.pages_for(len(sequence.token_ids) + 1) - len(prefix.pages) + prefix.num_parked
@@ -185,6 +192,9 @@ class Scheduler:
             kv.grow(sequence, sequence.num_computed + chunk)
             promised += kv.pages_for(len(sequence.token_ids)) - len(sequence.pages)
             self._schedule(sequence, chunk, step)
+
+    def _skip_limit(self, sequence: Sequence) -> int:
+        return sequence.job.max_skips if sequence.job.max_skips is not None else self.max_skips
 
     def _schedule(self, sequence: Sequence, num_tokens: int, step: _Draft, draft_room: int = 0) -> None:
         """Add the sequence's next num_tokens known tokens to this step and name

@@ -76,3 +76,31 @@ def test_a_draft_model_refuses_jobs_with_embeddings_clearly(tiny_model_factory: 
         generator.enqueue(Job([5, *embedding.token_ids, 6], 4, embeddings=[embedding]))
     generator.enqueue(Job([5, 6, 7], 4, identifier="plain"))
     assert list(drain(generator)) == ["plain"]
+
+
+def admission_order(generator: Generator) -> list[object]:
+    started = []
+    while generator.num_remaining_jobs():
+        started += [r.identifier for r in generator.iterate() if r.stage == "started"]
+    return started
+
+
+def test_waiting_jobs_are_admitted_by_priority_then_arrival(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8, max_batch_size=1)
+    for identifier, priority in (("first", 5), ("b", 5), ("c", 9), ("urgent", 0), ("d", 5), ("urgent2", 0)):
+        generator.enqueue(Job([5, 6, 7], 2, stop_conditions=[], identifier=identifier, priority=priority))
+    assert admission_order(generator) == ["urgent", "urgent2", "first", "b", "d", "c"]
+
+
+def test_a_job_s_own_max_skips_bounds_how_often_it_is_overtaken(llama_dir: Path):
+    def order(max_skips: int | None) -> list[object]:
+        # 4 pages of 8 tokens: the long job needs all of them, the short ones fit beside the running one.
+        generator = Generator.from_pretrained(llama_dir, cache_tokens=32, page_size=8, max_skips=16)
+        generator.enqueue(Job([5] * 10, 6, stop_conditions=[], identifier="running"))
+        generator.iterate()
+        generator.enqueue(Job([6] * 20, 4, stop_conditions=[], identifier="long", max_skips=max_skips))
+        generator.enqueue([Job([7, 8], 2, stop_conditions=[], identifier=f"short{i}") for i in range(3)])
+        return admission_order(generator)
+
+    assert order(None).index("long") == 3  # the generator's 16: every short job overtakes it
+    assert order(0) == ["long", "short0", "short1", "short2"]  # nothing overtakes it

@@ -74,6 +74,8 @@ def build_job(
         constraint=engine_constraint(request.constraint) if request.constraint is not None else None,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
+        # The queue's priority orders admission in the engine too (0 = most urgent; none = 0, as on the broker).
+        priority=request.priority or 0,
     )
 
 
