@@ -443,22 +443,31 @@ class Generator:
         """Wait for the step, verify drafts, append the tokens and update the
         scheduler; returns the sequences a stop token or max_new_tokens ended."""
         logits, tokens, logprobs = step.work.result()
-        bad = next((i for i, token in enumerate(tokens) if token < 0), None)
-        if bad is not None:
-            self.sampler.raise_for_row(bad)
-        emitted = [(s, [t]) for (s, _), t in zip(step.plain, tokens)]
+        failed: dict[int, str] = {}  # serial -> why: this job fails alone, its batch neighbours go on
+        for row, token in enumerate(tokens):
+            if token < 0:
+                try:
+                    self.sampler.raise_for_row(row)
+                except ValueError as error:
+                    failed[step.plain[row][0].serial] = str(error)
+        emitted = [(s, [t]) for (s, _), t in zip(step.plain, tokens) if s.serial not in failed]
         for i, logprob in logprobs.items():
             step.plain[i][0].logprobs.append(logprob)
         accepted: dict[int, int] = {}
         speculated_logprobs: dict[int, list[TokenLogprob]] = {}
         for sequence, row, draft in step.speculated:
             rows_logits = logits[row : row + 1 + len(draft)]
-            if sequence.constraint is not None:  # each verify position sampled under its own mask
-                allowed = sequence.constraint.draft_masks(draft).to(rows_logits.device)
-                rows_logits = rows_logits.masked_fill(~allowed, -math.inf)
-            verified = self._verify(sequence, rows_logits, draft, step.draft_probs.get(sequence.serial))
-            if sequence.job.logprobs:
-                speculated_logprobs[sequence.serial] = self._verify_logprobs(sequence, rows_logits, draft, verified)
+            try:
+                if sequence.constraint is not None:  # each verify position sampled under its own mask
+                    allowed = sequence.constraint.draft_masks(draft).to(rows_logits.device)
+                    rows_logits = rows_logits.masked_fill(~allowed, -math.inf)
+                verified = self._verify(sequence, rows_logits, draft, step.draft_probs.get(sequence.serial))
+                if sequence.job.logprobs:
+                    speculated_logprobs[sequence.serial] = self._verify_logprobs(sequence, rows_logits, draft,
+                                                                                 verified)
+            except (ValueError, RuntimeError) as error:
+                failed[sequence.serial] = str(error)
+                continue
             self.sampler.record(sequence, verified)
             accepted[sequence.serial] = len(verified) - 1
             emitted.append((sequence, verified))
@@ -466,14 +475,32 @@ class Generator:
         for sequence, new in emitted:
             if sequence.serial not in self._sequences:
                 continue  # a stop string ended it while this step ran
-            kept, done = self._append_tokens(sequence, new)
+            try:
+                kept, done = self._append_tokens(sequence, new)
+            except RuntimeError as error:  # a constraint refusing what was sampled: this job's fault alone
+                failed[sequence.serial] = str(error)
+                continue
             if sequence.serial in speculated_logprobs:
                 sequence.logprobs.extend(speculated_logprobs[sequence.serial][: len(kept)])
             self._pending.append((sequence, kept))
             if done:
                 ended.append(sequence)
         self.scheduler.update_from_output(schedule, accepted, ended)
+        for serial, message in failed.items():
+            self._fail(serial, message)
         return ended
+
+    def _fail(self, serial: int, message: str) -> None:
+        """End one job with eos_reason error (result with the next iterate()), freeing its pages."""
+        sequence = self._sequences.pop(serial, None)
+        if sequence is None:
+            return
+        log.warning("job %r failed inside a step: %s", sequence.job.identifier, message)
+        self.scheduler.remove(sequence)
+        self._release_rows(serial)
+        result = self._final_result(sequence, "", [], FinishReason.ERROR)
+        result.error = message
+        self._undelivered.append(result)
 
     def _emit_pending(self, finished: list[Sequence]) -> list[Result]:
         """The text and results of the tokens appended last; sequences a stop

@@ -31,6 +31,7 @@ class FinishReason(StrEnum):
     MAX_NEW_TOKENS = "max_new_tokens"
     CANCELLED = "cancelled"
     CONSTRAINT_COMPLETE = "constraint_complete"  # the job's constraint admits nothing more
+    ERROR = "error"  # this job failed inside a step (its error says why); the others went on
 
 
 _ALWAYS = ("job", "serial", "identifier", "stage", "eos", "text", "token_ids")
@@ -73,6 +74,7 @@ class EngineOutput:
     eos_token_id: int | None = None
     eos_token_str: str | None = None  # the stop token's text
     eos_string: str | None = None
+    error: str | None = None  # eos_reason error only
     full_completion: str | None = None
     completion_ids: list[int] | None = None
     completion_logprobs: list[TokenLogprob] | None = None
@@ -114,5 +116,5 @@ class EngineOutput:
 
 
 _ALL = tuple(f.name for f in fields(EngineOutput))
-_OPTIONAL = frozenset({"eos_token_id", "eos_token_str", "eos_string", "logprobs", "completion_logprobs"})
+_OPTIONAL = frozenset({"eos_token_id", "eos_token_str", "eos_string", "error", "logprobs", "completion_logprobs"})
 """Keys present only when set: the stop trigger that applied, logprobs for jobs that asked."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Embedding, FinishReason, Generator, Job, JobRejected, QueueFull
+from engine import Embedding, FinishReason, Generator, Job, JobRejected, QueueFull, SamplerSettings
 
 
 def drain(generator: Generator) -> dict[object, object]:
@@ -104,3 +104,16 @@ def test_a_job_s_own_max_skips_bounds_how_often_it_is_overtaken(llama_dir: Path)
 
     assert order(None).index("long") == 3  # the generator's 16: every short job overtakes it
     assert order(0) == ["long", "short0", "short1", "short2"]  # nothing overtakes it
+
+
+def test_a_job_that_fails_in_a_step_fails_alone(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8)
+    vocab = generator.model.config.vocab_size
+    nothing_left = SamplerSettings(temperature=0.8, banned_token_ids=tuple(range(vocab)))
+    generator.enqueue([Job([5, 6, 7], 6, stop_conditions=[], identifier="before"),
+                       Job([5, 6, 8], 6, stop_conditions=[], identifier="broken", gen_settings=nothing_left, seed=1),
+                       Job([5, 6, 9], 6, stop_conditions=[], identifier="after")])
+    finals = drain(generator)
+    assert finals["broken"].eos_reason is FinishReason.ERROR and "banned_token_ids" in finals["broken"]["error"]
+    assert finals["before"].new_tokens == finals["after"].new_tokens == 6
+    assert generator.pool.num_used == 0

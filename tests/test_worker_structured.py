@@ -72,3 +72,15 @@ def test_a_constraint_that_does_not_compile_fails_naming_it_and_others_finish(
     assert replay(redis_client, "bad-regex")[-1].error.startswith("constraint: regex")
     assert good.get(timeout=60)["text"] in ("yes", "no")
     assert worker.ping(client)
+
+
+def test_a_request_that_fails_inside_a_step_fails_alone(worker: WorkerProcess, client: Celery,
+                                                        redis_client: redis.Redis):
+    """Nothing left to sample (every token banned) is that request's problem, not its batch's."""
+    neighbours = [send(client, f"neighbour-{i}", max_new_tokens=30, ignore_eos=True) for i in range(3)]
+    broken = send(client, "all-banned", sampling={"temperature": 0.7, "seed": 1, "banned_token_ids": list(range(512))})
+    broken.get(timeout=60, propagate=False)
+    assert broken.state == "FAILURE" and "nothing can be sampled" in str(broken.result), broken.result
+    assert replay(redis_client, "all-banned")[-1].event == "error"
+    for handle in neighbours:
+        assert handle.get(timeout=60)["usage"]["completion_tokens"] == 30

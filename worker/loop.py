@@ -305,6 +305,11 @@ class EngineLoop:
             self.counters.requeued += 1
             return
         reason = result.eos_reason
+        if reason is FinishReason.ERROR:  # this job alone failed in the step; the others carry on
+            self.counters.failed += 1
+            submission.error = result.error or "engine error"
+            events.append(submission.event("error", finish_reason="error", error=submission.error))
+            return
         if submission.expired:
             finish_reason, kind = "deadline", "done"
             self.counters.expired += 1
