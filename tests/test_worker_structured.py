@@ -84,3 +84,23 @@ def test_a_request_that_fails_inside_a_step_fails_alone(worker: WorkerProcess, c
     assert replay(redis_client, "all-banned")[-1].event == "error"
     for handle in neighbours:
         assert handle.get(timeout=60)["usage"]["completion_tokens"] == 30
+
+
+def test_a_worker_started_with_ngram_speculation_reports_its_acceptance_rate(
+    tiny_model_factory: Callable[..., Path], redis_url: str, client: Celery, tmp_path: Path
+):
+    model = tiny_model_factory("llama", max_position_embeddings=1024)
+    queue = "genq-speculating"
+    process = WorkerProcess(model, redis_url, queue, "speculating", tmp_path / "w.log",
+                            {"cache_tokens": 4096, "page_size": 16, "concurrency": 4, "num_draft_tokens": 3,
+                             "no_prefix_caching": True}, env={"GENQ_NGRAM_DRAFT": "true"})
+    with process:
+        process.wait_ready(client)
+        looping = [7, 8, 9, 10] * 12
+        result = client.send_task(TASK_NAME, kwargs={"input_ids": looping, "max_new_tokens": 40, "ignore_eos": True},
+                                  queue=queue).get(timeout=60)
+        assert result["usage"]["completion_tokens"] == 40
+        stats = process.engine_stats(client)
+        assert stats is not None and stats["drafted_tokens"] > 0
+        assert stats["draft_acceptance_rate"] == round(stats["accepted_draft_tokens"] / stats["drafted_tokens"], 4)
+        assert stats["prompt_tokens_cached"] == 0  # --no-prefix-caching

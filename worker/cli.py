@@ -152,7 +152,8 @@ def _dev(args: argparse.Namespace) -> int:
 WORKER_SETTINGS = (
     "model", "device", "dtype", "concurrency", "queue", "redis_url", "cache_tokens", "page_size",
     "max_batch_size", "max_chunk_size", "visibility_timeout_s", "shutdown_grace_s", "metrics_port",
-    "prefix_routes", "prefix_route",
+    "prefix_routes", "prefix_route", "prefix_caching", "ngram_draft", "draft_model", "num_draft_tokens",
+    "max_speculative_batch",
 )
 
 
@@ -213,6 +214,19 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--prefix-route", dest="prefix_route",
                         help="prefix routes this worker also consumes, e.g. 0 or 0,1 (GENQ_PREFIX_ROUTE): "
                              "requests starting alike reach the same worker, so its prefix cache hits")
+    worker.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_const", const=False,
+                        help="do not share KV pages between requests with a common prefix (GENQ_PREFIX_CACHING)")
+    speculation = worker.add_mutually_exclusive_group()
+    speculation.add_argument("--ngram-draft", dest="ngram_draft", action="store_const", const=True,
+                             help="speculative decoding with n-gram drafts from each request's own text "
+                                  "(GENQ_NGRAM_DRAFT); pays on repetitive output at small batches")
+    speculation.add_argument("--draft-model", dest="draft_model", metavar="PATH",
+                             help="speculative decoding with a smaller model of the same tokenizer "
+                                  "(GENQ_DRAFT_MODEL)")
+    worker.add_argument("--num-draft-tokens", dest="num_draft_tokens", type=int,
+                        help="draft tokens verified per request and step (default 4)")
+    worker.add_argument("--max-speculative-batch", dest="max_speculative_batch", type=int,
+                        help="speculate only while at most this many requests decode (default 8)")
     worker.add_argument("--hostname", help="Celery node name (default genq worker's celery@host)")
     worker.set_defaults(func=_worker)
 

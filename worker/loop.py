@@ -178,6 +178,8 @@ class EngineLoop:
             "preemptions": engine.preemptions,
             "drafted_tokens": engine.drafted_tokens,
             "accepted_draft_tokens": engine.accepted_draft_tokens,
+            "draft_acceptance_rate": round(engine.accepted_draft_tokens / engine.drafted_tokens, 4)
+            if engine.drafted_tokens else 0.0,
             **asdict(self.counters),
         }
 

@@ -242,7 +242,8 @@ class WorkerProcess(ChildProcess):
         args = genq_command("worker", "--model", str(model), "--redis-url", redis_url, "--queue", queue,
                             "--hostname", f"{name}@genq")
         for option, value in self.options.items():
-            args += [f"--{option.replace('_', '-')}", str(value)]
+            flag = f"--{option.replace('_', '-')}"
+            args += [flag] if value is True else [flag, str(value)]  # True: a flag without a value
         inherited = {k: v for k, v in os.environ.items() if inherit_settings or not k.startswith("GENQ_")}
         super().__init__(name, args, log_path, {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})})
 

@@ -49,6 +49,11 @@ class Runtime:
             progress=LoadProgress(logger=log),
             max_batch_size=settings.max_batch_size,
             max_chunk_size=settings.max_chunk_size,
+            prefix_caching=settings.prefix_caching,
+            use_ngram_draft=settings.ngram_draft,
+            draft_model_path=settings.draft_model,
+            num_draft_tokens=settings.num_draft_tokens,
+            max_speculative_batch=settings.max_speculative_batch,
             max_pending=max(1024, 4 * settings.concurrency),
         )
         client = settings.redis()

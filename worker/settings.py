@@ -30,12 +30,23 @@ class Settings(ClientSettings):
     max_batch_size: int | None = Field(None, ge=1, description="jobs in the generator's batch at once")
     max_chunk_size: int | None = Field(None, ge=1, description="tokens per forward (prefill chunking budget)")
     concurrency: int = Field(64, ge=1, description="tasks in flight on one worker (threads pool size)")
+    prefix_caching: bool = Field(True, description="share the KV pages of common prompt prefixes")
+    ngram_draft: bool = Field(False, description="speculative decoding with n-gram (prompt-lookup) drafts")
+    draft_model: str | None = Field(None, description="a smaller model of the same tokenizer to draft with")
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per job and step")
+    max_speculative_batch: int = Field(8, ge=0, description="speculate only while at most this many jobs decode")
     metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on this port")
     metrics_address: str = Field("0.0.0.0", description="address the metrics port binds")
     shutdown_grace_s: float = Field(30.0, ge=0, description="warm shutdown: time to finish in-flight jobs")
     prefix_route: str | None = Field(
         None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
         description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py)")
+
+    @model_validator(mode="after")
+    def _one_drafter(self) -> Settings:
+        if self.ngram_draft and self.draft_model:
+            raise ValueError("GENQ_NGRAM_DRAFT and GENQ_DRAFT_MODEL: choose one way to draft")
+        return self
 
     @model_validator(mode="after")
     def _routes_exist(self) -> Settings:
