@@ -390,12 +390,25 @@ class Generator:
         if self.overlap:
             results += self._emit_pending(late)
         ended = self._complete(schedule, step) if step is not None else []
+        results += self._prefill_progress(schedule)
         if not self.overlap:
             results += self._emit_pending(late)
         for sequence in late:
             self.scheduler.remove(sequence)
         for sequence in ended + late:
             self._release_rows(sequence.serial)
+        return results
+
+    def _prefill_progress(self, schedule: SchedulerOutput) -> list[Result]:
+        """exllamav2's prefill stage: for each prompt computed only in part so far (chunked), how far."""
+        results = []
+        for item in schedule.scheduled:
+            sequence = item.sequence
+            if not item.samples and sequence.serial in self._sequences:
+                result = self._result(sequence, Stage.PREFILL)
+                result.curr_progress = min(sequence.num_computed, sequence.num_prompt_tokens)
+                result.max_progress = sequence.num_prompt_tokens
+                results.append(result)
         return results
 
     def _launch(self, schedule: SchedulerOutput) -> _Step:

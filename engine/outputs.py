@@ -21,6 +21,7 @@ from engine.job import Job
 
 class Stage(StrEnum):
     STARTED = "started"
+    PREFILL = "prefill"  # a prompt chunk computed, more to come: curr_progress / max_progress tokens
     STREAMING = "streaming"
     EOS = "eos"
 
@@ -70,6 +71,8 @@ class EngineOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, for jobs that ask (Job(logprobs=...))
+    curr_progress: int | None = None  # prefill stage: prompt tokens computed (or cached) so far
+    max_progress: int | None = None  # prefill stage: prompt tokens in all
     eos_reason: FinishReason | None = None
     eos_token_id: int | None = None
     eos_token_str: str | None = None  # the stop token's text
@@ -93,15 +96,15 @@ class EngineOutput:
 
     def keys(self) -> list[str]:
         if not self.eos:
-            return [*_ALWAYS, *(["logprobs"] if self.logprobs is not None else [])]
+            return [*_ALWAYS, *(name for name in _STEP_OPTIONAL if getattr(self, name) is not None)]
         return [name for name in _ALL if name not in _OPTIONAL or getattr(self, name) is not None]
 
     def __contains__(self, key: object) -> bool:
         key = EXLLAMAV2_NAMES.get(key, key)  # type: ignore[call-overload]
         if key in _ALWAYS:
             return True
-        if key == "logprobs":
-            return self.logprobs is not None
+        if key in _STEP_OPTIONAL:
+            return getattr(self, key) is not None  # type: ignore[arg-type]
         if not self.eos or key not in _ALL:
             return False
         return key not in _OPTIONAL or getattr(self, key) is not None  # type: ignore[arg-type]
@@ -116,5 +119,8 @@ class EngineOutput:
 
 
 _ALL = tuple(f.name for f in fields(EngineOutput))
-_OPTIONAL = frozenset({"eos_token_id", "eos_token_str", "eos_string", "error", "logprobs", "completion_logprobs"})
+_STEP_OPTIONAL = ("logprobs", "curr_progress", "max_progress")
+"""Keys of any result, present only when set."""
+_OPTIONAL = frozenset({"eos_token_id", "eos_token_str", "eos_string", "error", "completion_logprobs",
+                       *_STEP_OPTIONAL})
 """Keys present only when set: the stop trigger that applied, logprobs for jobs that asked."""

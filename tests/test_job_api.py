@@ -117,3 +117,14 @@ def test_a_job_that_fails_in_a_step_fails_alone(llama_dir: Path):
     assert finals["broken"].eos_reason is FinishReason.ERROR and "banned_token_ids" in finals["broken"]["error"]
     assert finals["before"].new_tokens == finals["after"].new_tokens == 6
     assert generator.pool.num_used == 0
+
+
+def test_a_long_prompt_reports_prefill_progress_chunk_by_chunk(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8, max_chunk_size=16)
+    generator.enqueue(Job(list(range(5, 55)), 2, stop_conditions=[], identifier="long"))
+    stages = []
+    while generator.num_remaining_jobs():
+        stages += [(r.stage, r.get("curr_progress"), r.get("max_progress")) for r in generator.iterate()]
+    assert stages[0][0] == "started"
+    assert [s for s in stages if s[0] == "prefill"] == [("prefill", 16, 50), ("prefill", 32, 50), ("prefill", 48, 50)]
+    assert stages[-1][0] == "eos"
