@@ -263,6 +263,24 @@ class Generator:
             return [self._enqueue(each) for each in jobs]
         return self._enqueue(job)
 
+    def warmup(self) -> float:
+        """Run every code path of a step once before the first request (prefill, decode, greedy and
+        sampled rows; on CUDA the kernels compile and the decode graphs are captured here), so the
+        first real request does not pay for it. Needs an idle generator; leaves the counters at zero.
+        Returns the seconds it took."""
+        if self.num_remaining_jobs():
+            raise RuntimeError("warmup() needs an idle generator")
+        started = time.monotonic()
+        prompt = [t % self.model.config.vocab_size for t in range(1, 2 * self.page_size + 2)]
+        self.enqueue([Job(prompt, 3, stop_conditions=[], identifier="warmup-greedy"),
+                      Job(prompt[:3], 3, stop_conditions=[], identifier="warmup-sampled", seed=0,
+                          gen_settings=SamplerSettings(temperature=1.0, top_k=8, top_p=0.9))])
+        while self.num_remaining_jobs():
+            self.iterate()
+        self._steps = self._generated_tokens = self._computed_prompt_tokens = self._cached_prompt_tokens = 0
+        self.scheduler.num_preemptions = 0
+        return time.monotonic() - started
+
     def clear_queue(self) -> int:
         """Cancel every job, waiting or running (as exllamav2's clear_queue); their final results
         (eos_reason cancelled) come with the next iterate(). Returns how many were cancelled."""

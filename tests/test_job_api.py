@@ -128,3 +128,16 @@ def test_a_long_prompt_reports_prefill_progress_chunk_by_chunk(llama_dir: Path):
     assert stages[0][0] == "started"
     assert [s for s in stages if s[0] == "prefill"] == [("prefill", 16, 50), ("prefill", 32, 50), ("prefill", 48, 50)]
     assert stages[-1][0] == "eos"
+
+
+def test_warmup_runs_a_step_of_each_kind_and_leaves_the_counters_at_zero(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8)
+    assert generator.warmup() > 0
+    stats = generator.stats
+    assert (stats.steps, stats.generated_tokens, stats.computed_prompt_tokens, stats.active_jobs) == (0, 0, 0, 0)
+    assert generator.pool.num_used == 0
+    generator.enqueue(Job([5, 6, 7], 2, identifier="first"))
+    assert list(drain(generator)) == ["first"]
+    generator.enqueue(Job([5], 2, identifier="busy"))
+    with pytest.raises(RuntimeError, match="idle"):
+        generator.warmup()

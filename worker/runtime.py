@@ -61,6 +61,7 @@ class Runtime:
         publisher = Publisher(client, settings.key_prefix, settings.stream_maxlen, settings.stream_ttl_s,
                               final_ttl_s=settings.visibility_timeout_s + settings.stream_ttl_s)
         metrics = WorkerMetrics() if settings.metrics_port else None
+        log.info("warmed up the engine in %.2f s", generator.warmup())
         loop = EngineLoop(generator, publisher, on_finished=metrics.observe if metrics else None)
         loop.start()
         if metrics is not None and settings.metrics_port:
