@@ -1,6 +1,7 @@
 """genq's generation engine: a paged, continuous-batching generator with a
 job API after exllamav2's dynamic generator. No Redis, no Celery here."""
 
+from engine.async_generator import AsyncGenerator, AsyncJob
 from engine.constraints import Constraint
 from engine.embeddings import Embedding
 from engine.errors import (
@@ -16,6 +17,8 @@ from engine.sampling import SamplerSettings
 from engine.tokenizer import Tokenizer
 
 __all__ = [
+    "AsyncGenerator",
+    "AsyncJob",
     "Constraint",
     "Embedding",
     "EngineOutput",
