@@ -183,6 +183,7 @@ EOS_REASON_TO_FINISH_REASON: dict[str, FinishReason] = {
     "stop_token": "stop",
     "stop_string": "stop",
     "constraint_complete": "stop",
+    "error": "error",  # a request that failed inside a step: its error event (the worker sends no result)
     "max_new_tokens": "length",
     "cancelled": "cancelled",
 }
