@@ -31,6 +31,7 @@ from engine.outputs import TokenLogprob
 from engine.sampling import (
     BatchInputs,
     SamplerSettings,
+    allowed_only,
     choose,
     edited_logits,
     raise_empty_distribution,
@@ -198,13 +199,15 @@ class BatchSampler:
         if self.counts is not None:
             self.counts[slot] = 0.0
             self.counts[slot].index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.float32))
-        if (settings.token_bias or settings.banned_token_ids) and self.bias is None:
+        if (settings.token_bias or settings.banned_token_ids or settings.allowed_token_ids) and self.bias is None:
             self.bias = torch.zeros(len(self._settings), vocab, dtype=torch.float32, device=self.device)
         if self.bias is not None:
             self.bias[slot] = 0.0
+            if settings.allowed_token_ids:
+                self.bias[slot] = allowed_only(settings.allowed_token_ids, vocab, self.device)
             if settings.token_bias:
                 biased = torch.tensor(list(settings.token_bias.keys()), dtype=torch.long, device=self.device)
-                self.bias[slot, biased] = torch.tensor(list(settings.token_bias.values()), device=self.device)
+                self.bias[slot, biased] += torch.tensor(list(settings.token_bias.values()), device=self.device)
             if settings.banned_token_ids:
                 self.bias[slot, list(settings.banned_token_ids)] = -torch.inf
         return slot

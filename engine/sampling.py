@@ -124,6 +124,7 @@ class SamplerSettings:
     presence_penalty: float = 0.0
     token_bias: Mapping[int, float] = field(default_factory=TokenBias)
     banned_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # exllamav2's allow_tokens: only these (empty = all)
 
     def __post_init__(self) -> None:
         # Normalize first (ints -> floats, dict -> TokenBias, list -> tuple) so that equal
@@ -138,6 +139,8 @@ class SamplerSettings:
             object.__setattr__(self, "token_bias", TokenBias(self.token_bias))
         banned = tuple(_token_id(t, "banned_token_ids entry") for t in self.banned_token_ids)
         object.__setattr__(self, "banned_token_ids", banned)
+        allowed = tuple(sorted({_token_id(t, "allowed_token_ids entry") for t in self.allowed_token_ids}))
+        object.__setattr__(self, "allowed_token_ids", allowed)
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -176,7 +179,8 @@ class SamplerSettings:
     @property
     def _edits_logits(self) -> bool:
         """Whether steps 1-2 change anything, i.e. whether a greedy row can skip them."""
-        return bool(self.token_bias) or bool(self.banned_token_ids) or self._has_penalties
+        return (bool(self.token_bias) or bool(self.banned_token_ids) or bool(self.allowed_token_ids)
+                or self._has_penalties)
 
     @property
     def _needs_sort(self) -> bool:
@@ -185,10 +189,10 @@ class SamplerSettings:
     def validate(self, vocab_size: int) -> None:
         """Check every range, and that each token id named here lies in [0, vocab_size)."""
         self._check_ranges()
-        for token in self.banned_token_ids:
-            if token >= vocab_size:
-                raise SamplerSettingsError(
-                    f"banned_token_ids contains {token}, outside the vocabulary [0, {vocab_size})")
+        for name in ("banned_token_ids", "allowed_token_ids"):
+            for token in getattr(self, name):
+                if token >= vocab_size:
+                    raise SamplerSettingsError(f"{name} contains {token}, outside the vocabulary [0, {vocab_size})")
         for token in self.token_bias:
             if token >= vocab_size:
                 raise SamplerSettingsError(
@@ -380,6 +384,11 @@ def inputs_from_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Batch
         inputs.bias = torch.zeros(batch, vocab, device=device).index_put_(
             (_index(bias_rows, device), _index(bias_ids, device)),
             torch.tensor(bias_values, device=device), accumulate=True)
+    restricted = [i for i, s in enumerate(settings) if s.allowed_token_ids]
+    if restricted:
+        inputs.bias = torch.zeros(batch, vocab, device=device) if inputs.bias is None else inputs.bias
+        for i in restricted:
+            inputs.bias[i] += allowed_only(settings[i].allowed_token_ids, vocab, device)
     if mask_rows:
         inputs.masked = (_index(mask_rows, device), _index(mask_ids, device))
     if any(s.repetition_penalty != 1.0 for s in settings):
@@ -403,6 +412,13 @@ def _uniforms_from_rows(rows: Sequence[SamplingRow], device: torch.device) -> to
         assert generator is not None
         uniform[i] = torch.rand(1, generator=generator, device=generator.device).item()
     return uniform.to(device)
+
+
+def allowed_only(allowed: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] additive bias: 0 for the allowed ids, -inf for every other."""
+    bias = torch.full((vocab,), -math.inf, device=device)
+    bias[list(allowed)] = 0.0
+    return bias
 
 
 def _raise_out_of_vocab(rows: Sequence[SamplingRow], vocab: int) -> None:
@@ -444,6 +460,7 @@ def raise_empty_distribution(
     if bool(torch.isneginf(x[i]).all()):
         culprits = [name for name, value in (("token_bias", settings.token_bias),
                                              ("banned_token_ids", settings.banned_token_ids),
+                                             ("allowed_token_ids", settings.allowed_token_ids),
                                              ("suppress_ids", suppress_ids)) if len(value)]
         raise EmptyDistributionError(
             f"row {i}: {' and '.join(culprits) or 'the sampling settings'} leave no token with a finite "

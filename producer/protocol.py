@@ -287,6 +287,8 @@ class SamplingParams(_Input):
         default_factory=dict, description="token id -> logit bias"
     )
     banned_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED_TOKEN_IDS)] = Field(default_factory=list)
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED_TOKEN_IDS)] = Field(
+        default_factory=list, description="only these tokens may be generated (empty = all)")
 
     @field_validator("token_bias", mode="before")
     @classmethod

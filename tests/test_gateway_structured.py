@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -17,6 +18,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from engine import Tokenizer
 from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
     MODEL,
     bearer,
@@ -117,3 +119,13 @@ def test_a_constraint_that_does_not_compile_is_a_400_before_anything_is_queued(g
     two = httpx.post(f"{gateway}/v1/chat/completions", headers=bearer(), timeout=30,
                      json={"model": MODEL, "messages": QUESTION, "guided_regex": "a", "guided_choice": ["b"]})
     assert two.status_code == 400 and "one output constraint" in two.json()["error"]["message"]
+
+
+def test_allowed_token_ids_restrict_the_completion(oai: openai.OpenAI, model_dir: Path):
+    allowed = [40, 41, 42]
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    texts = {tokenizer.decode([token], skip_special_tokens=False) for token in allowed}
+    reply = oai.completions.create(model=MODEL, prompt="Counting:", max_tokens=10, temperature=1.0, seed=5,
+                                   logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    tokens = reply.choices[0].logprobs.tokens
+    assert len(tokens) == 10 and set(tokens) <= texts

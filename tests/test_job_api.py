@@ -141,3 +141,19 @@ def test_warmup_runs_a_step_of_each_kind_and_leaves_the_counters_at_zero(llama_d
     generator.enqueue(Job([5], 2, identifier="busy"))
     with pytest.raises(RuntimeError, match="idle"):
         generator.warmup()
+
+
+def test_allowed_token_ids_hold_in_the_generator_s_persistent_sampler(llama_dir: Path):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8)
+    allowed = (11, 17, 23)
+    generator.enqueue([
+        Job([5, 6, 7], 12, stop_conditions=[], identifier="sampled", seed=3,
+            gen_settings=SamplerSettings(temperature=1.0, allowed_token_ids=allowed, repetition_penalty=1.3)),
+        Job([5, 6, 8], 12, stop_conditions=[], identifier="greedy",
+            gen_settings=SamplerSettings(temperature=0.0, allowed_token_ids=allowed)),
+        Job([5, 6, 9], 12, stop_conditions=[], identifier="free"),
+    ])
+    finals = drain(generator)
+    for identifier in ("sampled", "greedy"):
+        assert set(finals[identifier].completion_ids) <= set(allowed), identifier
+    assert not set(finals["free"].completion_ids) <= set(allowed)

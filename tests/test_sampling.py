@@ -144,6 +144,16 @@ def test_banned_ids_are_never_drawn_and_greedy_skips_them():
     assert sample(logits[None], [row(greedy, seed=None)]).item() == 2  # a bias cannot revive a ban
 
 
+def test_allowed_token_ids_are_the_only_tokens_drawn_and_a_bias_cannot_leave_them():
+    logits = torch.tensor([5.0, 4.0, 1.0, 1.0, 1.0, 1.0])
+    allowed = SamplerSettings(allowed_token_ids=(2, 4, 5))
+    assert support_over_seeds(logits, allowed) == {2, 4, 5}
+    greedy = SamplerSettings(temperature=0.0, allowed_token_ids=(3, 4), token_bias={0: 50.0, 4: 1.0})
+    assert sample(logits[None], [row(greedy, seed=None)]).item() == 4
+    with pytest.raises(SamplerSettingsError, match="allowed_token_ids contains 9"):
+        SamplerSettings(allowed_token_ids=(9,)).validate(6)
+
+
 def test_token_bias_can_force_a_token():
     logits = torch.randn(8, generator=gen(3))
     forced = int(logits.argmin())

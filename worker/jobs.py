@@ -61,6 +61,7 @@ def build_job(
         presence_penalty=sampling.presence_penalty,
         token_bias=dict(sampling.token_bias),
         banned_token_ids=tuple(sampling.banned_token_ids),
+        allowed_token_ids=tuple(sampling.allowed_token_ids),
     )
     return Job(
         input_ids,

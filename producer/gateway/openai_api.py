@@ -7,7 +7,7 @@ limits are the protocol's. Structured output: chat's response_format (json_objec
 and vLLM's guided_json / guided_regex / guided_choice / guided_grammar on both endpoints become
 the request's constraint. Log-probabilities in OpenAI's shapes: chat's logprobs + top_logprobs,
 completions' logprobs (an int: that many alternatives). Extensions, as in vLLM: top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos.
+repetition_penalty, min_tokens, ignore_eos, allowed_token_ids.
 
 finish_reason: the protocol's "stop" and "length" are OpenAI's; "deadline" and "cancelled" are
 reported as "length", since the text was cut short by a limit rather than ended by the model.
@@ -76,6 +76,7 @@ class _CommonParams(_Lenient):
     repetition_penalty: float | None = Field(None, description="genq extension (vLLM's)")
     min_tokens: int | None = Field(None, description="genq extension (vLLM's): stop tokens blocked until reached")
     ignore_eos: bool | None = Field(None, description="genq extension (vLLM's)")
+    allowed_token_ids: list[int] | None = Field(None, description="genq extension (vLLM's): only these tokens")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension: a JSON Schema")
     guided_regex: str | None = Field(None, description="vLLM extension")
     guided_choice: list[str] | None = Field(None, description="vLLM extension")
@@ -118,6 +119,7 @@ class _CommonParams(_Lenient):
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "token_bias": self.logit_bias, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         fields: dict[str, Any] = {
             "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
