@@ -64,14 +64,14 @@ class SampledLogprobs:
             out[row] = TokenLogprob(ids[row], chosen[i], top)
         return out
 # Columns of the float parameter table.
-_TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE = range(6)
+_TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _TOP_A = range(7)
 
 
 class BatchSampler:
     def __init__(self, max_slots: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.params = torch.zeros(max_slots, 6, dtype=torch.float32, device=device)
+        self.params = torch.zeros(max_slots, 7, dtype=torch.float32, device=device)
         # seed low 32 bits, seed high bits, tokens generated so far (the draw counter)
         self.counters = torch.zeros(max_slots, 3, dtype=torch.int64, device=device)
         self.seen: torch.Tensor | None = None
@@ -175,7 +175,7 @@ class BatchSampler:
         self._settings[slot] = settings
         self.params[slot] = torch.tensor([
             settings.temperature, settings.top_p, settings.min_p, settings.repetition_penalty,
-            settings.frequency_penalty, settings.presence_penalty,
+            settings.frequency_penalty, settings.presence_penalty, settings.top_a,
         ])
         seed = sequence.seed
         self.counters[slot] = torch.tensor([seed & _MASK32, seed >> 32, sequence.num_generated])
@@ -219,6 +219,7 @@ class BatchSampler:
             temperature=params[:, _TEMPERATURE],
             top_p=params[:, _TOP_P],
             min_p=params[:, _MIN_P],
+            top_a=params[:, _TOP_A],
         )
         if self._edited:
             if self.bias is not None:

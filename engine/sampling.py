@@ -20,7 +20,9 @@ with a Python loop over the vocabulary. The pipeline, in order:
 6. ``top_p`` keeps the smallest set of most likely tokens whose mass reaches top_p (always
    at least one); a cumulative mass within 1e-6 of top_p counts as reaching it, so fp32
    round-off does not let one extra token in.
-7. ``min_p`` keeps the tokens with probability >= min_p * the largest probability.
+7. ``min_p`` keeps the tokens with probability >= min_p * the largest probability, and
+   ``top_a`` (exllamav2's) those with probability >= top_a * the largest probability squared
+   (both over the distribution left by top_k / top_p, renormalized).
 8. One token per row is drawn by inverse CDF from a single uniform of that row's generator.
 
 Batch invariance: a row's draw depends only on its own logits, settings and generator.
@@ -119,6 +121,7 @@ class SamplerSettings:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    top_a: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -129,7 +132,7 @@ class SamplerSettings:
     def __post_init__(self) -> None:
         # Normalize first (ints -> floats, dict -> TokenBias, list -> tuple) so that equal
         # settings compare and hash equal; vocab-independent ranges are checked here.
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+        for name in ("temperature", "top_p", "min_p", "top_a", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
             object.__setattr__(self, name, _real(name, getattr(self, name)))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
@@ -151,8 +154,9 @@ class SamplerSettings:
             raise SamplerSettingsError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplerSettingsError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise SamplerSettingsError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("min_p", "top_a"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise SamplerSettingsError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not self.repetition_penalty > 0.0:
             raise SamplerSettingsError(
                 f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
@@ -228,6 +232,7 @@ class BatchInputs:
     temperature: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
+    top_a: torch.Tensor | None = None  # None when no row of the batch uses it
     bias: torch.Tensor | None = None
     masked: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -369,6 +374,7 @@ def inputs_from_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Batch
         temperature=torch.tensor([s.temperature for s in settings], device=device),
         top_p=torch.tensor([s.top_p for s in settings], device=device),
         min_p=torch.tensor([s.min_p for s in settings], device=device),
+        top_a=torch.tensor([s.top_a for s in settings], device=device),
     )
     bias_rows, bias_ids, bias_values, mask_rows, mask_ids = [], [], [], [], []
     for i, (row, s) in enumerate(zip(rows, settings)):
@@ -509,6 +515,11 @@ def _filter(x: torch.Tensor, inputs: BatchInputs) -> list[_Group]:
         if any(s.min_p > 0.0 for s in settings):
             min_p = inputs.min_p[index, None]
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        if inputs.top_a is not None and any(s.top_a > 0.0 for s in settings):
+            top_a = inputs.top_a[index, None]
+            peak = probs.amax(dim=-1, keepdim=True)
+            # p / total < top_a * (peak / total)^2, on the mass left (top_p zeroed some, unnormalized)
+            probs = probs.masked_fill(probs < top_a * peak * peak / probs.sum(dim=-1, keepdim=True), 0.0)
         groups.append(_Group(members, probs, order))
     return groups
 

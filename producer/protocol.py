@@ -279,6 +279,7 @@ class SamplingParams(_Input):
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 = off; keep the k most likely tokens")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off; nucleus sampling mass")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="0 = off; drop tokens below min_p * max prob")
+    top_a: float = Field(0.0, ge=0.0, le=1.0, description="0 = off; drop tokens below top_a * max prob squared")
     repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="1 = off (HF/CTRL)")
     frequency_penalty: float = Field(0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY, description="OpenAI's")
     presence_penalty: float = Field(0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY, description="OpenAI's")

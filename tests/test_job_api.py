@@ -5,6 +5,7 @@ model refuses jobs with embeddings instead of crashing the step."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,3 +158,23 @@ def test_allowed_token_ids_hold_in_the_generator_s_persistent_sampler(llama_dir:
     for identifier in ("sampled", "greedy"):
         assert set(finals[identifier].completion_ids) <= set(allowed), identifier
     assert not set(finals["free"].completion_ids) <= set(allowed)
+
+
+def test_top_a_holds_in_the_generator_s_persistent_sampler(llama_dir: Path):
+    """Each token sampled under top_a is at least top_a x the peak probability squared (read from the
+    job's own logprobs, which come from the distribution before truncation); without top_a, the same
+    seeds sample tokens below that line, so the setting is what keeps them out."""
+    def below_the_line(top_a: float) -> int:
+        generator = Generator.from_pretrained(llama_dir, cache_tokens=4096, page_size=8)
+        settings = SamplerSettings(temperature=0.7, top_a=top_a)
+        generator.enqueue([Job([5 + i, 6, 7], 30, stop_conditions=[], identifier=i, seed=i, top_logprobs=1,
+                               gen_settings=settings) for i in range(8)])
+        count = 0
+        for final in drain(generator).values():
+            for lp in final.completion_logprobs:
+                peak = math.exp(lp.top[0][1])
+                count += math.exp(lp.logprob) < 0.5 * peak * peak - 1e-6
+        return count
+
+    assert below_the_line(0.5) == 0
+    assert below_the_line(0.0) > 0

@@ -154,6 +154,20 @@ def test_allowed_token_ids_are_the_only_tokens_drawn_and_a_bias_cannot_leave_the
         SamplerSettings(allowed_token_ids=(9,)).validate(6)
 
 
+@pytest.mark.parametrize("top_a", [0.2, 0.5, 0.9])
+def test_top_a_keeps_tokens_above_top_a_times_the_peak_squared(top_a: float):
+    logits = torch.tensor([2.0, 1.6, 1.0, 0.5, 0.0, -1.0])
+    probs = torch.softmax(logits, dim=-1)
+    reference = {i for i, p in enumerate(probs.tolist()) if p >= top_a * float(probs.max()) ** 2}
+    settings = SamplerSettings(temperature=1.0, top_a=top_a)
+    assert support_of_probs(sampling_probs(logits[None], [row(settings)])[0]) == reference
+    assert support_over_seeds(logits, settings) <= reference
+    with_top_k = SamplerSettings(temperature=1.0, top_k=3, top_a=top_a)  # over the renormalized top 3
+    kept = torch.softmax(logits[:3], dim=-1)
+    expected = {i for i, p in enumerate(kept.tolist()) if p >= top_a * float(kept.max()) ** 2}
+    assert support_of_probs(sampling_probs(logits[None], [row(with_top_k)])[0]) == expected
+
+
 def test_token_bias_can_force_a_token():
     logits = torch.randn(8, generator=gen(3))
     forced = int(logits.argmin())

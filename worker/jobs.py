@@ -56,6 +56,7 @@ def build_job(
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         min_p=sampling.min_p,
+        top_a=sampling.top_a,
         repetition_penalty=sampling.repetition_penalty,
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,
