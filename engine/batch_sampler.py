@@ -43,26 +43,40 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass(frozen=True)
 class SampledLogprobs:
-    """Log-probabilities of one sample() for the rows whose jobs asked, still on the device."""
+    """Log-probabilities of sampled tokens and their best alternatives, still on the device:
+    rows[i] (a row of the sampled batch) took a token whose log-probability is chosen[i], and
+    wants ks[i] alternatives."""
 
     rows: list[int]
+    ks: list[int]
     chosen: torch.Tensor  # [R]
-    top_values: torch.Tensor | None  # [R, k], best first
+    top_values: torch.Tensor | None  # [R, max(ks)], best first
     top_ids: torch.Tensor | None
 
-    def to_host(self, sequences: Seq[Sequence], ids: list[int]) -> dict[int, TokenLogprob]:
-        """row -> its TokenLogprob (each row's own top_logprobs count of alternatives; tokens the
-        job could not take, log-probability -inf, are not alternatives)."""
+    @classmethod
+    def compute(cls, x: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor, rows: list[int],
+                ks: list[int]) -> SampledLogprobs:
+        """From edited logits x [R, V] at each row's temperature ([R]; 0 for greedy reads as 1) and the
+        ids [R] the rows took: the distribution each row samples from, before truncation."""
+        temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        logprobs = torch.log_softmax(x.float() / temperature[:, None], dim=-1)
+        chosen = logprobs.gather(1, ids.clamp(min=0)[:, None]).squeeze(1)
+        top = logprobs.topk(max(ks), dim=-1) if max(ks) else None
+        return cls(rows, ks, chosen, top.values if top else None, top.indices if top else None)
+
+    def to_host(self, ids: Seq[int]) -> dict[int, TokenLogprob]:
+        """row -> the TokenLogprob of the token ids[i] it took (with its own number of alternatives;
+        tokens the job could not take, log-probability -inf, are not alternatives). One read-back."""
         chosen = self.chosen.tolist()
-        values = self.top_values.tolist() if self.top_values is not None else None
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
-        out = {}
-        for i, row in enumerate(self.rows):
-            k = sequences[row].job.top_logprobs
-            top = tuple((t, v) for t, v in zip(top_ids[i][:k], values[i][:k], strict=True) if v != -math.inf
-                        ) if values and top_ids and k else ()
-            out[row] = TokenLogprob(ids[row], chosen[i], top)
-        return out
+        values = self.top_values.tolist() if self.top_values is not None else [[]] * len(self.rows)
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else [[]] * len(self.rows)
+        return {
+            row: TokenLogprob(ids[i], chosen[i], tuple(
+                (t, v) for t, v in zip(top_ids[i][:k], values[i][:k], strict=True) if v != -math.inf))
+            for i, (row, k) in enumerate(zip(self.rows, self.ks, strict=True))
+        }
+
+
 # Columns of the float parameter table.
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _FREQUENCY, _PRESENCE, _TOP_A = range(7)
 
@@ -82,6 +96,9 @@ class BatchSampler:
         self._settings: list[SamplerSettings] = [SamplerSettings.greedy()] * max_slots
         self._sampled: set[int] = set()
         self._edited: set[int] = set()
+        # Slots of jobs with a constraint / asking for logprobs: rows are looked for only when some are.
+        self._constrained: set[int] = set()
+        self._logprobs_wanted: set[int] = set()
         self._suppressing: dict[int, Sequence] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, list[Sequence]] | None = None
         self.last_logprobs: SampledLogprobs | None = None
@@ -98,6 +115,8 @@ class BatchSampler:
         self._free.append(slot)
         self._sampled.discard(slot)
         self._edited.discard(slot)
+        self._constrained.discard(slot)
+        self._logprobs_wanted.discard(slot)
         self._suppressing.pop(serial, None)
 
     @torch.inference_mode()
@@ -110,8 +129,8 @@ class BatchSampler:
                 slots[i] = self._add(sequences[i])
         index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         self.counters[index, 2] += 1
-        constrained = [i for i, s in enumerate(sequences) if s.constraint is not None]
-        wanted = [i for i, s in enumerate(sequences) if s.job.logprobs]
+        constrained = [i for i, slot in enumerate(slots) if slot in self._constrained] if self._constrained else []
+        wanted = [i for i, slot in enumerate(slots) if slot in self._logprobs_wanted] if self._logprobs_wanted else []
         if not self._sampled and not self._edited and not self._suppressing and not constrained:
             ids = logits.argmax(dim=-1)
             self.last_logprobs = self._logprobs(logits, ids, index, wanted, sequences) if wanted else None
@@ -132,16 +151,10 @@ class BatchSampler:
 
     def _logprobs(self, x: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, wanted: list[int],
                   sequences: Seq[Sequence]) -> SampledLogprobs:
-        """The wanted rows' log-probabilities of their sampled ids and their top alternatives, on the
-        device, from the edited logits at the row's temperature (1 for greedy rows)."""
+        """The wanted rows' log-probabilities of their sampled ids and their top alternatives, on the device."""
         rows = torch.tensor(wanted, device=self.device)
-        temperature = self.params[index[rows], _TEMPERATURE]
-        temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        logprobs = torch.log_softmax(x[rows].float() / temperature[:, None], dim=-1)
-        chosen = logprobs.gather(1, ids[rows].clamp(min=0)[:, None]).squeeze(1)
-        k = max(sequences[i].job.top_logprobs for i in wanted)
-        top = logprobs.topk(k, dim=-1) if k else None
-        return SampledLogprobs(wanted, chosen, top.values if top else None, top.indices if top else None)
+        return SampledLogprobs.compute(x[rows], self.params[index[rows], _TEMPERATURE], ids[rows], wanted,
+                                       [sequences[i].job.top_logprobs for i in wanted])
 
     def raise_for_row(self, row: int) -> None:
         """Raise the error that names why row of the last sample() had nothing to draw."""
@@ -183,6 +196,10 @@ class BatchSampler:
             self._sampled.add(slot)
         if settings._edits_logits:
             self._edited.add(slot)
+        if sequence.constraint is not None:
+            self._constrained.add(slot)
+        if sequence.job.logprobs:
+            self._logprobs_wanted.add(slot)
         if sequence.num_generated < sequence.job.min_new_tokens and sequence.stop_token_ids:
             self._suppressing[sequence.serial] = sequence
         vocab = self.vocab_size

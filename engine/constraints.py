@@ -111,12 +111,8 @@ class ConstraintCompiler:
         # Masks are computed here while the model's forward runs (llguidance releases the GIL).
         self.pool = ThreadPoolExecutor(MASK_THREADS, thread_name_prefix="genq-masks")
 
-    def start(self, constraint: Constraint, stop_token_ids: frozenset[int]) -> ConstraintState:
-        """A fresh matcher for one job; JobRejected naming the problem for a bad constraint."""
-        try:
-            grammar = compiled_grammar(constraint)
-        except ValueError as error:
-            raise JobRejected(f"constraint: {error}") from None
+    def start(self, grammar: str, stop_token_ids: frozenset[int]) -> ConstraintState:
+        """A fresh matcher for one job, on a grammar check_constraint() returned."""
         matcher = llguidance.LLMatcher(self.tokenizer, grammar)
         if matcher.is_error():
             raise JobRejected(f"constraint: {matcher.get_error()}")
@@ -139,6 +135,14 @@ def _compact(schema: str) -> str:
     if isinstance(parsed, dict) and "x-guidance" not in parsed:
         parsed = {**parsed, "x-guidance": {"whitespace_flexible": False}}
     return json.dumps(parsed)
+
+
+def check_constraint(constraint: Constraint) -> str:
+    """The constraint's grammar (cached); JobRejected naming the problem when it does not compile."""
+    try:
+        return compiled_grammar(constraint)
+    except ValueError as error:
+        raise JobRejected(f"constraint: {error}") from None
 
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)

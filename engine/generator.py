@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from engine.batch_sampler import BatchSampler
+from engine.batch_sampler import BatchSampler, SampledLogprobs
 from engine.cache import KVCache, PagePool
 from engine.config import ModelConfig
-from engine.constraints import ConstraintCompiler, compiled_grammar
+from engine.constraints import ConstraintCompiler, check_constraint
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import JobRejected, QueueFull
 from engine.job import Job
@@ -247,21 +247,14 @@ class Generator:
         """Queue a job (or a list of jobs, in order: their serials); returns its serial. Raises
         JobRejected if it can never run here, QueueFull if max_pending jobs are already waiting.
         A list is checked whole first, so it is queued entirely or not at all."""
-        if not isinstance(job, Job):
-            jobs = list(job)
-            if len(self.scheduler.waiting) + len(jobs) > self.max_pending:
-                raise QueueFull(f"{len(self.scheduler.waiting)} jobs pending + {len(jobs)} would exceed "
-                                f"max_pending={self.max_pending}")
-            for each in jobs:
-                self._check_fits(each)
-                self._check_settings(each.gen_settings)
-                if each.constraint is not None:
-                    try:
-                        compiled_grammar(each.constraint)
-                    except ValueError as error:
-                        raise JobRejected(f"constraint: {error}") from None
-            return [self._enqueue(each) for each in jobs]
-        return self._enqueue(job)
+        jobs = [job] if isinstance(job, Job) else list(job)
+        waiting = len(self.scheduler.waiting)
+        if waiting + len(jobs) > self.max_pending:
+            raise QueueFull(f"{waiting} jobs already pending; {len(jobs)} more would exceed "
+                            f"max_pending={self.max_pending}")
+        grammars = [self._check(each) for each in jobs]
+        serials = [self._enqueue(each, grammar) for each, grammar in zip(jobs, grammars, strict=True)]
+        return serials[0] if isinstance(job, Job) else serials
 
     def warmup(self) -> float:
         """Run every code path of a step once before the first request (prefill, decode, greedy and
@@ -278,6 +271,7 @@ class Generator:
         while self.num_remaining_jobs():
             self.iterate()
         self._steps = self._generated_tokens = self._computed_prompt_tokens = self._cached_prompt_tokens = 0
+        self._drafted_tokens = self._accepted_draft_tokens = 0
         self.scheduler.num_preemptions = 0
         return time.monotonic() - started
 
@@ -289,15 +283,18 @@ class Generator:
             self.cancel(serial)
         return len(serials)
 
-    def _enqueue(self, job: Job) -> int:
+    def _check(self, job: Job) -> str | None:
+        """JobRejected naming why the job can never run here; else its constraint's grammar, if any."""
         self._check_fits(job)
         self._check_settings(job.gen_settings)
-        if len(self.scheduler.waiting) >= self.max_pending:
-            raise QueueFull(f"{len(self.scheduler.waiting)} jobs already pending (max_pending={self.max_pending})")
+        return check_constraint(job.constraint) if job.constraint is not None else None
+
+    def _enqueue(self, job: Job, grammar: str | None) -> int:
+        """Queue a job _check() passed (grammar: what it returned)."""
         stop_ids = job.stop_token_ids
         if stop_ids is None:
             stop_ids = frozenset(self.tokenizer.eos_token_ids)
-        constraint = self._constraints().start(job.constraint, stop_ids) if job.constraint is not None else None
+        constraint = self._constraints().start(grammar, stop_ids) if grammar is not None else None
         serial = self._next_serial
         self._next_serial += 1
         job.serial = serial
@@ -344,13 +341,7 @@ class Generator:
         """Stop a job now and free its pages; its final result (eos_reason
         FinishReason.CANCELLED) comes with the next iterate(). False if it was not active."""
         serial = job if isinstance(job, int) else job.serial
-        sequence = self._sequences.pop(serial, None) if serial is not None else None
-        if sequence is None:
-            return False
-        self.scheduler.remove(sequence)
-        self._release_rows(serial)
-        self._undelivered.append(self._final_result(sequence, "", [], FinishReason.CANCELLED))
-        return True
+        return serial is not None and self._end_now(serial, FinishReason.CANCELLED)
 
     def num_remaining_jobs(self) -> int:
         return len(self._sequences) + len(self._undelivered)
@@ -468,7 +459,7 @@ class Generator:
         sequences = [s for s, _ in plain]
         tokens = self.sampler.sample(rows_logits, sequences).tolist()
         sampled = self.sampler.last_logprobs
-        return logits, tokens, sampled.to_host(sequences, tokens) if sampled is not None else {}
+        return logits, tokens, sampled.to_host([tokens[row] for row in sampled.rows]) if sampled is not None else {}
 
     def _complete(self, schedule: SchedulerOutput, step: _Step) -> list[Sequence]:
         """Wait for the step, verify drafts, append the tokens and update the
@@ -518,20 +509,23 @@ class Generator:
                 ended.append(sequence)
         self.scheduler.update_from_output(schedule, accepted, ended)
         for serial, message in failed.items():
-            self._fail(serial, message)
+            self._end_now(serial, FinishReason.ERROR, message)
         return ended
 
-    def _fail(self, serial: int, message: str) -> None:
-        """End one job with eos_reason error (result with the next iterate()), freeing its pages."""
+    def _end_now(self, serial: int, reason: FinishReason, error: str | None = None) -> bool:
+        """End a job at once (cancelled, or failed inside a step) and free its pages; its final result
+        comes with the next iterate(). False if it was not active."""
         sequence = self._sequences.pop(serial, None)
         if sequence is None:
-            return
-        log.warning("job %r failed inside a step: %s", sequence.job.identifier, message)
+            return False
+        if error is not None:
+            log.warning("job %r failed inside a step: %s", sequence.job.identifier, error)
         self.scheduler.remove(sequence)
         self._release_rows(serial)
-        result = self._final_result(sequence, "", [], FinishReason.ERROR)
-        result.error = message
+        result = self._final_result(sequence, "", [], reason)
+        result.error = error
         self._undelivered.append(result)
+        return True
 
     def _emit_pending(self, finished: list[Sequence]) -> list[Result]:
         """The text and results of the tokens appended last; sequences a stop
@@ -613,18 +607,13 @@ class Generator:
                          ) -> list[TokenLogprob]:
         """The logprobs of a speculated step's emitted tokens, each from its own verify position,
         as the batched sampler computes them for plain rows (edited logits at the job's temperature)."""
-        rows = [self._sampling_row(sequence, draft[:i]) for i in range(len(verified))]
-        x, _ = edited_logits(logits[: len(verified)], inputs_from_rows(logits[: len(verified)], rows))
-        temperature = sequence.job.gen_settings.temperature or 1.0
-        logprobs = torch.log_softmax(x.float() / temperature, dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(verified, device=logprobs.device)[:, None]).squeeze(1).tolist()
-        k = sequence.job.top_logprobs
-        top = logprobs.topk(k, dim=-1) if k else None
-        values = top.values.tolist() if top is not None else [[]] * len(verified)
-        ids = top.indices.tolist() if top is not None else [[]] * len(verified)
-        return [TokenLogprob(token, chosen[i], tuple((t, v) for t, v in zip(ids[i], values[i], strict=True)
-                                                     if v != -math.inf))
-                for i, token in enumerate(verified)]
+        n = len(verified)
+        rows = [self._sampling_row(sequence, draft[:i]) for i in range(n)]
+        x, _ = edited_logits(logits[:n], inputs_from_rows(logits[:n], rows))
+        temperature = torch.full((n,), sequence.job.gen_settings.temperature, device=x.device)
+        ids = torch.tensor(verified, device=x.device)
+        by_row = SampledLogprobs.compute(x, temperature, ids, list(range(n)), [sequence.job.top_logprobs] * n)
+        return list(by_row.to_host(verified).values())
 
     def generate(
         self,

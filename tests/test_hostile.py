@@ -27,11 +27,10 @@ EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 def worker(tiny_model_factory: Callable[..., Path], redis_url: str, client: Celery,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     model = tiny_model_factory("llama", max_position_embeddings=1024)
-    process = WorkerProcess(model, redis_url, QUEUE, "hostile", tmp_path_factory.mktemp("hostile") / "worker.log",
-                            {"cache_tokens": 8192, "page_size": 16, "concurrency": 16})
-    process.start().wait_ready(client)
-    yield process
-    process.stop()
+    with WorkerProcess(model, redis_url, QUEUE, "hostile", tmp_path_factory.mktemp("hostile") / "worker.log",
+                       {"cache_tokens": 8192, "page_size": 16, "concurrency": 16}) as process:
+        process.wait_ready(client)
+        yield process
 
 
 @pytest.fixture()

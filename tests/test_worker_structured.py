@@ -29,11 +29,10 @@ SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "enum": [
 def worker(tiny_model_factory: Callable[..., Path], redis_url: str, client: Celery,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     model = tiny_model_factory("llama", max_position_embeddings=1024)
-    process = WorkerProcess(model, redis_url, QUEUE, "structured", tmp_path_factory.mktemp("structured") / "w.log",
-                            {"cache_tokens": 4096, "page_size": 16, "concurrency": 8})
-    process.start().wait_ready(client)
-    yield process
-    process.stop()
+    with WorkerProcess(model, redis_url, QUEUE, "structured", tmp_path_factory.mktemp("structured") / "w.log",
+                       {"cache_tokens": 4096, "page_size": 16, "concurrency": 8}) as process:
+        process.wait_ready(client)
+        yield process
 
 
 def send(client: Celery, identifier: str, **request: object) -> AsyncResult:
