@@ -100,6 +100,7 @@ class BatchSampler:
         self._constrained: set[int] = set()
         self._logprobs_wanted: set[int] = set()
         self._suppressing: dict[int, Sequence] = {}
+        self._banning: dict[int, Sequence] = {}  # jobs with banned strings: tokens a rewind banned
         self._last: tuple[torch.Tensor, torch.Tensor, list[Sequence]] | None = None
         self.last_logprobs: SampledLogprobs | None = None
 
@@ -118,6 +119,7 @@ class BatchSampler:
         self._constrained.discard(slot)
         self._logprobs_wanted.discard(slot)
         self._suppressing.pop(serial, None)
+        self._banning.pop(serial, None)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
@@ -131,7 +133,7 @@ class BatchSampler:
         self.counters[index, 2] += 1
         constrained = [i for i, slot in enumerate(slots) if slot in self._constrained] if self._constrained else []
         wanted = [i for i, slot in enumerate(slots) if slot in self._logprobs_wanted] if self._logprobs_wanted else []
-        if not self._sampled and not self._edited and not self._suppressing and not constrained:
+        if not self._sampled and not self._edited and not self._suppressing and not self._banning and not constrained:
             ids = logits.argmax(dim=-1)
             self.last_logprobs = self._logprobs(logits, ids, index, wanted, sequences) if wanted else None
             return ids
@@ -202,6 +204,8 @@ class BatchSampler:
             self._logprobs_wanted.add(slot)
         if sequence.num_generated < sequence.job.min_new_tokens and sequence.stop_token_ids:
             self._suppressing[sequence.serial] = sequence
+        if sequence.job.banned_strings:
+            self._banning[sequence.serial] = sequence
         vocab = self.vocab_size
         ids = torch.tensor([t for t in sequence.token_ids if 0 <= t < vocab], dtype=torch.long, device=self.device)
         outputs = torch.tensor([t for t in sequence.output_ids if 0 <= t < vocab], dtype=torch.long,
@@ -248,7 +252,7 @@ class BatchSampler:
                 inputs.frequency_penalty = params[:, _FREQUENCY]
                 inputs.presence_penalty = params[:, _PRESENCE]
                 inputs.counts = self.counts[index]
-        if self._suppressing:
+        if self._suppressing or self._banning:
             inputs.masked = self._suppressed(sequences)
         return inputs
 
@@ -259,19 +263,22 @@ class BatchSampler:
         return torch.tensor(rows, device=self.device), allowed.to(self.device, non_blocking=True)
 
     def _suppressed(self, sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, ids) of stop tokens blocked while min_new_tokens is not reached."""
+        """(rows, ids) of stop tokens blocked while min_new_tokens is not reached, and of tokens a
+        banned-string rewind banned at this position."""
         for serial, sequence in list(self._suppressing.items()):
             if sequence.num_generated >= sequence.job.min_new_tokens:
                 del self._suppressing[serial]
-        if not self._suppressing:
+        if not self._suppressing and not self._banning:
             return None
         rows: list[int] = []
         ids: list[int] = []
         for row, sequence in enumerate(sequences):
-            if sequence.serial in self._suppressing:
-                stops = [t for t in sequence.stop_token_ids if 0 <= t < self.vocab_size]
-                rows += [row] * len(stops)
-                ids += stops
+            blocked = [*sequence.stop_token_ids] if sequence.serial in self._suppressing else []
+            if sequence.serial in self._banning:
+                blocked += sequence.banned_now
+            blocked = [t for t in blocked if 0 <= t < self.vocab_size]
+            rows += [row] * len(blocked)
+            ids += blocked
         if not rows:
             return None
         return torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)

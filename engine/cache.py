@@ -136,13 +136,18 @@ class KVCache:
         return self.k.shape[2]
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
 
+    @property
+    def cache_dtype(self) -> str:
+        return "auto"
+
     @classmethod
     def allocate(
-        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+        cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
+        cache_dtype: str = "auto",
     ) -> KVCache:
         shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
         return cls(

@@ -83,6 +83,11 @@ class IncrementalDetokenizer:
             self._chunks[:] = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
+    @property
+    def num_held(self) -> int:
+        """Tokens added whose text is not fully released yet (an incomplete character)."""
+        return len(self._window) - self._read
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Append generated tokens; return the text they complete (may be "")."""
         if not token_ids:

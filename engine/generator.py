@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.banned_strings import MAX_REWINDS, BannedStringGuard
 from engine.batch_sampler import BatchSampler, SampledLogprobs
 from engine.cache import KVCache, PagePool
 from engine.config import ModelConfig
@@ -73,6 +74,14 @@ class _Step:
     plain: list[tuple[Sequence, int]]
     speculated: list[tuple[Sequence, int, list[int]]]
     draft_probs: dict[int, torch.Tensor]
+
+
+class _Rewind(Exception):  # noqa: N818 - control flow, not an error
+    """Raised while releasing a token's text: a banned string appeared; go back to generated token origin."""
+
+    def __init__(self, origin: int) -> None:
+        super().__init__(origin)
+        self.origin = origin
 
 
 @dataclass(frozen=True)
@@ -184,6 +193,7 @@ class Generator:
         self.overlap = overlap
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if overlap else None
         self._pending: list[tuple[Sequence, list[int]]] = []
+        self._rewinds: dict[int, int] = {}  # serial -> generated token to go back to, after this step
         self._constraint_compiler: ConstraintCompiler | None = None
         self._seed_source = random.Random(seed)
         self._steps = 0
@@ -208,19 +218,23 @@ class Generator:
         cache_memory: int | None = None,
         progress: Callable[[int, int], None] | None = None,
         draft_model_path: str | Path | None = None,
+        cache_dtype: str = "auto",
         **generator_options: Any,
     ) -> Generator:
         """Load model + tokenizer from an HF directory or a .gguf file and size the paged cache
         from cache_tokens, else cache_memory bytes, else a device default
         (1 GiB on CPU, 85% of free memory on CUDA), never more than
         max_batch_size * max_seq_len tokens would use. draft_model_path loads a
-        draft model for speculative decoding, with a cache of the same pages."""
+        draft model for speculative decoding, with a cache of the same pages.
+        cache_dtype stores K/V as the model's dtype ("auto") or quantized
+        ("fp8", "q8", "q4"; kernels.KV_CACHE_DTYPES), for both caches; the same
+        cache_memory then holds proportionally more tokens."""
         device = torch.device(device)
         tokenizer = Tokenizer.from_pretrained(path)
         model = load_model(path, device, dtype, progress)
         page_size = page_size or DEFAULT_PAGE_SIZE
-        cache_dtype = model.embed_tokens.weight.dtype
-        per_token = KVCache.bytes_per_token(model.config, cache_dtype)
+        model_dtype = model.embed_tokens.weight.dtype
+        per_token = KVCache.bytes_per_token(model.config, model_dtype, cache_dtype)
         if cache_tokens is None:
             if cache_memory is None:
                 cache_memory = _default_cache_bytes(device)
@@ -228,16 +242,17 @@ class Generator:
             max_batch = generator_options.get("max_batch_size") or DEFAULT_MAX_BATCH_SIZE
             cache_tokens = min(cache_memory // per_token, max_seq_len * max_batch)
         num_pages = max(1, -(-cache_tokens // page_size))
-        cache = KVCache.allocate(model.config, num_pages, page_size, cache_dtype, device)
+        cache = KVCache.allocate(model.config, num_pages, page_size, model_dtype, device, cache_dtype)
         if draft_model_path is not None:
             draft = load_model(draft_model_path, device, dtype)
             generator_options["draft_model"] = draft
             generator_options["draft_cache"] = KVCache.allocate(
-                draft.config, num_pages, page_size, draft.embed_tokens.weight.dtype, device
+                draft.config, num_pages, page_size, draft.embed_tokens.weight.dtype, device, cache_dtype
             )
         log.info(
-            "loaded %s (%s, %s) with a KV cache of %d pages x %d tokens (%.1f MiB)",
-            path, model.config.family, cache_dtype, num_pages, page_size, num_pages * page_size * per_token / 2**20,
+            "loaded %s (%s, %s) with a %s KV cache of %d pages x %d tokens (%.1f MiB)",
+            path, model.config.family, model_dtype, cache.cache_dtype, num_pages, page_size,
+            num_pages * page_size * per_token / 2**20,
         )
         return cls(model, cache, tokenizer, **generator_options)
 
@@ -287,6 +302,9 @@ class Generator:
         """JobRejected naming why the job can never run here; else its constraint's grammar, if any."""
         self._check_fits(job)
         self._check_settings(job.gen_settings)
+        if job.banned_strings and job.constraint is not None:
+            raise JobRejected("banned_strings: not supported with a constraint (a rewind would have to take "
+                              "back grammar state); express the ban in the grammar instead")
         return check_constraint(job.constraint) if job.constraint is not None else None
 
     def _enqueue(self, job: Job, grammar: str | None) -> int:
@@ -319,6 +337,7 @@ class Generator:
             time_enqueued=time.monotonic(),
             seed=seed,
             constraint=constraint,
+            banned_guard=BannedStringGuard(job.banned_strings) if job.banned_strings else None,
         )
         self._sequences[serial] = sequence
         self.scheduler.add(sequence)
@@ -406,6 +425,9 @@ class Generator:
             self.scheduler.remove(sequence)
         for sequence in ended + late:
             self._release_rows(sequence.serial)
+        for serial, origin in self._rewinds.items():
+            self._rewind(serial, origin)
+        self._rewinds.clear()
         return results
 
     def _prefill_progress(self, schedule: SchedulerOutput) -> list[Result]:
@@ -495,8 +517,8 @@ class Generator:
             emitted.append((sequence, verified))
         ended: list[Sequence] = []
         for sequence, new in emitted:
-            if sequence.serial not in self._sequences:
-                continue  # a stop string ended it while this step ran
+            if sequence.serial not in self._sequences or sequence.serial in self._rewinds:
+                continue  # a stop string ended it, or a banned string takes it back, while this step ran
             try:
                 kept, done = self._append_tokens(sequence, new)
             except RuntimeError as error:  # a constraint refusing what was sampled: this job's fault alone
@@ -699,13 +721,16 @@ class Generator:
         job = sequence.job
         pending = pending or []
         generated = sequence.num_generated + len(pending)
-        suppress = sequence.stop_token_ids if generated < job.min_new_tokens else ()
+        suppress = tuple(sequence.stop_token_ids) if generated < job.min_new_tokens else ()
+        banned = sequence.banned_at.get(generated) if sequence.banned_at else None
+        if banned:
+            suppress += tuple(banned)
         return SamplingRow(
             settings=job.gen_settings,
             prompt_ids=job.input_ids,
             output_ids=sequence.output_ids + pending if pending else sequence.output_ids,
             generator=sequence.rng,
-            suppress_ids=tuple(suppress),
+            suppress_ids=suppress,
         )
 
     def _append_tokens(self, sequence: Sequence, tokens: list[int]) -> tuple[list[int], bool]:
@@ -738,7 +763,10 @@ class Generator:
         texts: list[str] = []
         before = sequence.num_generated - len(tokens)
         for i, token in enumerate(tokens):
-            finished = self._release_token(sequence, token, before + i + 1, texts)
+            try:
+                finished = self._release_token(sequence, token, before + i + 1, texts)
+            except _Rewind as rewind:
+                return self._rewinding(sequence, "".join(texts), tokens, before, rewind.origin)
             if finished is not None:
                 reason, trigger = finished
                 extra = len(tokens) - i - 1
@@ -753,40 +781,98 @@ class Generator:
     def _release_token(self, sequence: Sequence, token: int, generated: int, texts: list[str]
                        ) -> tuple[FinishReason, int | str | None] | None:
         """Release one appended token's text (generated: the job's token count
-        up to it); (eos_reason, trigger) if it ends the job."""
+        up to it); (eos_reason, trigger) if it ends the job. Raises _Rewind when
+        the text completes a banned string."""
         job = sequence.job
         can_stop = generated >= job.min_new_tokens
-        matcher = sequence.stop_matcher
         if token in sequence.stop_token_ids and can_stop:
-            texts.append(self._release(sequence, sequence.detokenizer.flush(), can_stop=True)[0])
-            if matcher is not None:
-                texts.append(matcher.flush())
+            texts.append(self._release_end(sequence, generated - 1, can_stop=True)[0])
             return FinishReason.STOP_TOKEN, token
-        text, stop_string = self._release(sequence, sequence.detokenizer.add([token]), can_stop)
+        detokenizer = sequence.detokenizer
+        origin = generated - 1 - detokenizer.num_held
+        text = detokenizer.add([token])
+        text, stop_string = self._release(sequence, text, can_stop, origin, generated - detokenizer.num_held)
         texts.append(text)
         if stop_string is not None:
             return FinishReason.STOP_STRING, stop_string
         if generated == sequence.constraint_done_at:
-            tail, _ = self._release(sequence, sequence.detokenizer.flush(), can_stop=False)
-            texts.append(tail)
-            if matcher is not None:
-                texts.append(matcher.flush())
+            texts.append(self._release_end(sequence, generated, can_stop=False)[0])
             return FinishReason.CONSTRAINT_COMPLETE, None
         if generated >= job.max_new_tokens:
-            tail, stop_string = self._release(sequence, sequence.detokenizer.flush(), can_stop)
+            tail, stop_string = self._release_end(sequence, generated, can_stop)
             texts.append(tail)
             if stop_string is not None:
                 return FinishReason.STOP_STRING, stop_string
-            if matcher is not None:
-                texts.append(matcher.flush())
             return FinishReason.MAX_NEW_TOKENS, None
         return None
 
+    def _release_end(self, sequence: Sequence, generated: int, can_stop: bool) -> tuple[str, str | None]:
+        """Generation ends after `generated` tokens: release all that is held (detokenizer,
+        banned-string guard, stop matcher); a stop string the held text completes still counts
+        when can_stop."""
+        detokenizer = sequence.detokenizer
+        origin = generated - detokenizer.num_held
+        text, stop_string = self._release(sequence, detokenizer.flush(), can_stop, origin, generated)
+        if stop_string is None and sequence.banned_guard is not None:
+            held, stop_string = self._match_stops(sequence, sequence.banned_guard.flush(), can_stop)
+            text += held
+        if stop_string is None and sequence.stop_matcher is not None:
+            text += sequence.stop_matcher.flush()
+        return text, stop_string
+
+    def _release(self, sequence: Sequence, text: str, can_stop: bool, origin: int, sealed: int
+                 ) -> tuple[str, str | None]:
+        """Pass detokenized text (from generated token `origin` on; tokens before `sealed` give no
+        more) through the banned-string guard, then the stop-string matcher."""
+        guard = sequence.banned_guard
+        if guard is not None:
+            text, rewind_to = guard.feed(text, origin, sealed)
+            if rewind_to is not None:
+                raise _Rewind(rewind_to)
+        return self._match_stops(sequence, text, can_stop)
+
     @staticmethod
-    def _release(sequence: Sequence, text: str, can_stop: bool) -> tuple[str, str | None]:
+    def _match_stops(sequence: Sequence, text: str, can_stop: bool) -> tuple[str, str | None]:
         if sequence.stop_matcher is None:
             return text, None
         return sequence.stop_matcher.feed(text, can_stop)
+
+    def _rewinding(self, sequence: Sequence, text: str, tokens: list[int], before: int, origin: int) -> Result:
+        """The streaming result of a step whose text completed a banned string: the text released
+        before it and the step's tokens that stay; the rewind itself happens after the step."""
+        self._rewinds[sequence.serial] = origin
+        sequence.completion.append(text)
+        kept = tokens[: max(0, origin - before)]
+        result = self._result(sequence, Stage.STREAMING, text, kept)
+        if sequence.job.logprobs:
+            result.logprobs = sequence.logprobs[before : before + len(kept)]
+        return result
+
+    def _rewind(self, serial: int, origin: int) -> None:
+        """Take a job back to generated token `origin`, ban that token there, and queue it to go on
+        from there (its kept prefix comes back from the prefix cache)."""
+        sequence = self._sequences.get(serial)
+        if sequence is None or sequence.banned_guard is None:
+            return  # cancelled meanwhile
+        sequence.rewinds += 1
+        if sequence.rewinds > MAX_REWINDS:
+            self._end_now(serial, FinishReason.ERROR,
+                          f"banned_strings: still producing one of {list(sequence.job.banned_strings)!r} after "
+                          f"{MAX_REWINDS} rewinds")
+            return
+        token = sequence.output_ids[origin]
+        self._generated_tokens -= sequence.rewind(origin)
+        bans = {position: ids for position, ids in sequence.banned_at.items() if position < origin}
+        bans[origin] = sequence.banned_at.get(origin, frozenset()) | {token}
+        sequence.banned_at = bans
+        sequence.banned_guard.rewind(origin)
+        job = sequence.job
+        sequence.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, [t for t in sequence.token_ids if t not in job.embedding_rows],
+            skip_special_tokens=not job.decode_special_tokens,
+        )
+        self._release_rows(serial)
+        self.scheduler.requeue(sequence)
 
     def _finish(self, sequence: Sequence, text: str, token_ids: list[int], reason: FinishReason,
                 trigger: int | str | None) -> EngineOutput:

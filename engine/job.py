@@ -22,7 +22,9 @@ MAX_TOP_LOGPROBS = 20
 class Job:
     """One request. `stop_conditions=None` stops on the model's EOS ids
     (tokenizer_config + generation_config); pass `[]` to never stop early.
-    The default sampler is greedy; pass `gen_settings` to sample."""
+    The default sampler is greedy; pass `gen_settings` to sample.
+    `banned_strings` never appear in the output: the generator rewinds and
+    bans the token that began one (engine/banned_strings.py)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class Job:
         top_logprobs: int = 0,
         priority: int = 0,
         max_skips: int | None = None,
+        banned_strings: Iterable[str] | str = (),
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -84,6 +87,7 @@ class Job:
         if max_skips is not None and (not isinstance(max_skips, int) or max_skips < 0):
             raise ValueError(f"max_skips must be an integer >= 0 or None (the generator's), got {max_skips!r}")
         self.max_skips = max_skips
+        self.banned_strings = _banned_strings(banned_strings)
         self.serial: int | None = None
 
     def __repr__(self) -> str:
@@ -123,3 +127,12 @@ def _split_stop_conditions(conditions: Iterable[int | str] | str | int) -> tuple
         else:
             raise ValueError(f"stop_conditions entries must be token ids (int) or strings, got {condition!r}")
     return frozenset(token_ids), tuple(strings)
+
+
+def _banned_strings(banned: Iterable[str] | str) -> tuple[str, ...]:
+    """A bare string is one banned string, as with stop_conditions."""
+    strings = [banned] if isinstance(banned, str) else list(banned)
+    for index, text in enumerate(strings):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"banned_strings[{index}] must be a non-empty string, got {text!r}")
+    return tuple(dict.fromkeys(strings))

@@ -108,6 +108,10 @@ class KVManager:
             k = len(hashes)
             hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, tokens[k * size : (k + 1) * size]))
 
+    def forget_hashes_past(self, sequence: Sequence, num_tokens: int) -> None:
+        """The sequence's tokens were cut back to num_tokens: drop the hashes of pages past them."""
+        del sequence.page_hashes[num_tokens // self.page_size :]
+
     def name_full_pages(self, sequence: Sequence, num_known: int) -> None:
         """Name (for the prefix cache) every page the first num_known tokens fill:
         called when a step that writes them is scheduled; the forward writes each

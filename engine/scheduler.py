@@ -121,6 +121,18 @@ class Scheduler:
             self.waiting.remove(sequence)
         self.kv.free(sequence)
 
+    def requeue(self, sequence: Sequence) -> None:
+        """Between steps, send a sequence whose generated tokens were taken back (a banned-string
+        rewind) to the head of the queue to be prefilled again, as a preemption does: its pages
+        go back (named ones stay in the prefix cache, so the kept prefix is found again). It may
+        have finished meanwhile (removed), then it simply runs again."""
+        if self._running.pop(sequence.serial, None) is None and sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self.kv.free(sequence)
+        self.kv.forget_hashes_past(sequence, len(sequence.token_ids))
+        sequence.num_computed = 0
+        self.waiting.appendleft(sequence)
+
     def schedule(self) -> SchedulerOutput:
         step = _Draft(self.max_chunk_size)
         decoding = [s for s in self._running.values() if s.num_uncomputed == 1]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.banned_strings import BannedStringGuard
 from engine.constraints import ConstraintState
 from engine.detokenizer import IncrementalDetokenizer
 from engine.job import Job
@@ -49,6 +50,11 @@ class Sequence:
     constraint: ConstraintState | None = None
     constraint_done_at: int | None = None  # generated-token count at which the constraint completed
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output_ids entry, if the job asks
+    banned_guard: BannedStringGuard | None = None
+    # generated-token index -> token ids banned there (a rewind's); replaced, never mutated, since
+    # the sampler may read it on the overlap thread
+    banned_at: dict[int, frozenset[int]] = field(default_factory=dict)
+    rewinds: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -61,3 +67,16 @@ class Sequence:
     def append(self, token: int) -> None:
         self.token_ids.append(token)
         self.output_ids.append(token)
+
+    @property
+    def banned_now(self) -> frozenset[int]:
+        """Token ids a rewind banned at the position of the next generated token."""
+        return self.banned_at.get(self.num_generated, frozenset()) if self.banned_at else frozenset()
+
+    def rewind(self, keep: int) -> int:
+        """Drop every generated token from index keep on; how many were dropped."""
+        dropped = len(self.output_ids) - keep
+        if dropped > 0:
+            del self.token_ids[-dropped:], self.output_ids[-dropped:]
+            del self.logprobs[keep:]
+        return max(dropped, 0)
