@@ -101,6 +101,7 @@ class BatchSampler:
         self._logprobs_wanted: set[int] = set()
         self._suppressing: dict[int, Sequence] = {}
         self._banning: dict[int, Sequence] = {}  # jobs with banned strings: tokens a rewind banned
+        self._healing: dict[int, Sequence] = {}  # token healing: the first token is one of heal_mask's
         self._last: tuple[torch.Tensor, torch.Tensor, list[Sequence]] | None = None
         self.last_logprobs: SampledLogprobs | None = None
 
@@ -120,6 +121,7 @@ class BatchSampler:
         self._logprobs_wanted.discard(slot)
         self._suppressing.pop(serial, None)
         self._banning.pop(serial, None)
+        self._healing.pop(serial, None)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
@@ -133,13 +135,16 @@ class BatchSampler:
         self.counters[index, 2] += 1
         constrained = [i for i, slot in enumerate(slots) if slot in self._constrained] if self._constrained else []
         wanted = [i for i, slot in enumerate(slots) if slot in self._logprobs_wanted] if self._logprobs_wanted else []
-        if not self._sampled and not self._edited and not self._suppressing and not self._banning and not constrained:
+        healing = [i for i, s in enumerate(sequences) if s.serial in self._healing and s.num_generated == 0
+                   ] if self._healing else []
+        if (not self._sampled and not self._edited and not self._suppressing and not self._banning
+                and not constrained and not healing):
             ids = logits.argmax(dim=-1)
             self.last_logprobs = self._logprobs(logits, ids, index, wanted, sequences) if wanted else None
             return ids
         inputs = self._inputs(index, slots, sequences)
-        if constrained:
-            inputs.allowed = self._allowed(constrained, sequences)
+        if constrained or healing:
+            inputs.allowed = self._allowed(constrained, healing, sequences)
         x, bad = edited_logits(logits, inputs)
         uniform = self._uniforms(index) if self._sampled else None
         ids = choose(x, inputs, uniform)
@@ -206,6 +211,8 @@ class BatchSampler:
             self._suppressing[sequence.serial] = sequence
         if sequence.job.banned_strings:
             self._banning[sequence.serial] = sequence
+        if sequence.heal_mask is not None:
+            self._healing[sequence.serial] = sequence
         vocab = self.vocab_size
         ids = torch.tensor([t for t in sequence.token_ids if 0 <= t < vocab], dtype=torch.long, device=self.device)
         outputs = torch.tensor([t for t in sequence.output_ids if 0 <= t < vocab], dtype=torch.long,
@@ -256,11 +263,20 @@ class BatchSampler:
             inputs.masked = self._suppressed(sequences)
         return inputs
 
-    def _allowed(self, rows: list[int], sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, [R, V] bool) from the constrained jobs' masks (computed while the forward ran)."""
-        states = [sequences[row].constraint for row in rows]
-        allowed = unpack_masks([state for state in states if state is not None], self.vocab_size)
-        return torch.tensor(rows, device=self.device), allowed.to(self.device, non_blocking=True)
+    def _allowed(self, constrained: list[int], healing: list[int], sequences: Seq[Sequence]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, [R, V] bool): the constrained jobs' masks (computed while the forward ran), then
+        the token-healing jobs' masks for their first token."""
+        parts = []
+        if constrained:
+            states = [sequences[row].constraint for row in constrained]
+            parts.append(unpack_masks([state for state in states if state is not None], self.vocab_size))
+        for row in healing:
+            mask = sequences[row].heal_mask
+            assert mask is not None
+            parts.append(mask[None])
+        allowed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return torch.tensor(constrained + healing, device=self.device), allowed.to(self.device, non_blocking=True)
 
     def _suppressed(self, sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, ids) of stop tokens blocked while min_new_tokens is not reached, and of tokens a

@@ -194,6 +194,7 @@ class Generator:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if overlap else None
         self._pending: list[tuple[Sequence, list[int]]] = []
         self._rewinds: dict[int, int] = {}  # serial -> generated token to go back to, after this step
+        self._healing_masks: dict[int, torch.Tensor] = {}  # removed token -> the tokens that may replace it
         self._constraint_compiler: ConstraintCompiler | None = None
         self._seed_source = random.Random(seed)
         self._steps = 0
@@ -302,6 +303,9 @@ class Generator:
         """JobRejected naming why the job can never run here; else its constraint's grammar, if any."""
         self._check_fits(job)
         self._check_settings(job.gen_settings)
+        if job.token_healing and job.constraint is not None:
+            raise JobRejected("token_healing: not supported with a constraint (the grammar decides the first "
+                              "token); leave the prompt's last token to the grammar instead")
         if job.banned_strings and job.constraint is not None:
             raise JobRejected("banned_strings: not supported with a constraint (a rewind would have to take "
                               "back grammar state); express the ban in the grammar instead")
@@ -321,15 +325,18 @@ class Generator:
         if not job.gen_settings.is_greedy:
             rng = torch.Generator(device="cpu")
             rng.manual_seed(seed)
+        prompt = list(job.input_ids)
+        healed = prompt.pop() if job.token_healing and len(prompt) > 1 and prompt[-1] not in job.embedding_rows \
+            else None
         sequence = Sequence(
             job=job,
             serial=serial,
-            token_ids=list(job.input_ids),
-            num_prompt_tokens=len(job.input_ids),
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
             stop_token_ids=stop_ids,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer,
-                [t for t in job.input_ids if t not in job.embedding_rows],
+                [t for t in prompt if t not in job.embedding_rows],
                 skip_special_tokens=not job.decode_special_tokens,
             ),
             stop_matcher=StopStringMatcher(job.stop_strings) if job.stop_strings else None,
@@ -339,9 +346,28 @@ class Generator:
             constraint=constraint,
             banned_guard=BannedStringGuard(job.banned_strings) if job.banned_strings else None,
         )
+        if healed is not None:
+            self._heal(sequence, healed)
         self._sequences[serial] = sequence
         self.scheduler.add(sequence)
         return serial
+
+    def _heal(self, sequence: Sequence, removed: int) -> None:
+        """Token healing: the first token must begin with the removed token's vocabulary piece,
+        and the text the removed token stood for is not emitted a second time."""
+        job = sequence.job
+        mask = self._healing_masks.get(removed)
+        if mask is None:
+            piece = self.tokenizer.id_to_token(removed) or ""
+            vocab = self.model.config.vocab_size
+            ids = [t for t in range(vocab) if (self.tokenizer.id_to_token(t) or "").startswith(piece)]
+            mask = self._healing_masks[removed] = torch.zeros(vocab, dtype=torch.bool)
+            mask[ids] = True
+        context = IncrementalDetokenizer(self.tokenizer, [t for t in sequence.token_ids if t not in job.embedding_rows],
+                                         skip_special_tokens=not job.decode_special_tokens)
+        sequence.heal_mask = mask
+        sequence.heal_prefix = context.add([removed]) + context.flush()
+        sequence.heal_pending = len(sequence.heal_prefix)
 
     def _constraints(self) -> ConstraintCompiler:
         """The tokenizer's grammar compiler, built on the first constrained job (about a second)."""
@@ -824,6 +850,9 @@ class Generator:
                  ) -> tuple[str, str | None]:
         """Pass detokenized text (from generated token `origin` on; tokens before `sealed` give no
         more) through the banned-string guard, then the stop-string matcher."""
+        if sequence.heal_pending and text:
+            dropped = min(sequence.heal_pending, len(text))
+            text, sequence.heal_pending = text[dropped:], sequence.heal_pending - dropped
         guard = sequence.banned_guard
         if guard is not None:
             text, rewind_to = guard.feed(text, origin, sealed)
@@ -866,6 +895,8 @@ class Generator:
         bans[origin] = sequence.banned_at.get(origin, frozenset()) | {token}
         sequence.banned_at = bans
         sequence.banned_guard.rewind(origin)
+        if origin == 0:
+            sequence.heal_pending = len(sequence.heal_prefix)
         job = sequence.job
         sequence.detokenizer = IncrementalDetokenizer(
             self.tokenizer, [t for t in sequence.token_ids if t not in job.embedding_rows],

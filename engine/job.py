@@ -24,7 +24,12 @@ class Job:
     (tokenizer_config + generation_config); pass `[]` to never stop early.
     The default sampler is greedy; pass `gen_settings` to sample.
     `banned_strings` never appear in the output: the generator rewinds and
-    bans the token that began one (engine/banned_strings.py)."""
+    bans the token that began one (engine/banned_strings.py).
+    `token_healing` (exllamav2's) takes the prompt's last token off and
+    regenerates it among the tokens that begin with its text, so a prompt cut
+    mid-word ("print('Hel") continues as the model would have tokenized it;
+    only the text the regenerated token adds is emitted. Unlike exllamav2 the
+    regenerated token counts as a generated token (new_tokens, max_new_tokens)."""
 
     def __init__(
         self,
@@ -43,6 +48,7 @@ class Job:
         priority: int = 0,
         max_skips: int | None = None,
         banned_strings: Iterable[str] | str = (),
+        token_healing: bool = False,
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -88,6 +94,7 @@ class Job:
             raise ValueError(f"max_skips must be an integer >= 0 or None (the generator's), got {max_skips!r}")
         self.max_skips = max_skips
         self.banned_strings = _banned_strings(banned_strings)
+        self.token_healing = bool(token_healing)
         self.serial: int | None = None
 
     def __repr__(self) -> str:

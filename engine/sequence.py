@@ -55,6 +55,11 @@ class Sequence:
     # the sampler may read it on the overlap thread
     banned_at: dict[int, frozenset[int]] = field(default_factory=dict)
     rewinds: int = 0
+    # token healing: the prompt's last token was taken off; the first generated token must be one of
+    # heal_mask ([vocab] bool, on the CPU) and the removed token's text (heal_prefix) is not emitted again
+    heal_mask: torch.Tensor | None = None
+    heal_prefix: str = ""
+    heal_pending: int = 0  # characters of heal_prefix the released text has still to drop
 
     @property
     def num_generated(self) -> int:
