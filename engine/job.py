@@ -7,6 +7,7 @@ serial the generator gave it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -96,6 +97,22 @@ class Job:
         self.banned_strings = _banned_strings(banned_strings)
         self.token_healing = bool(token_healing)
         self.serial: int | None = None
+
+    def samples(self, n: int) -> list[Job]:
+        """n parallel samples of this job, as vLLM's n makes child requests: the same prompt and
+        settings, seeds seed, seed + 1, ... (or each its own random seed when seed is None),
+        identifiers (identifier, i). Enqueued together (generator.enqueue(list)) they are admitted
+        in one step and share the prompt's pages, so the prompt is computed once."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        children = []
+        for i in range(n):
+            child = copy.copy(self)
+            child.seed = None if self.seed is None else (self.seed + i) % 2**63
+            child.identifier = (self.identifier, i)
+            child.serial = None
+            children.append(child)
+        return children
 
     def __repr__(self) -> str:
         return (
