@@ -10,6 +10,8 @@ bias, and, when any job uses penalties, the prompt/output token presence and
 output counts. Joining or leaving writes one slot; each step gathers the
 batch's slots and, after the draw, updates counts and counters on the device
 from the sampled ids. The host never reads a tensor back except the sampled ids.
+What exllamav2's further samplers add per slot (mirostat's mu, ...) lives in
+engine.slot_extras.
 
 Randomness is counter-based: a sampled row's uniform is a hash of (seed,
 number of tokens the job has generated), so a seeded job draws the same
@@ -33,10 +35,12 @@ from engine.sampling import (
     SamplerSettings,
     allowed_only,
     choose,
+    distribution,
     edited_logits,
     raise_empty_distribution,
 )
 from engine.sequence import Sequence
+from engine.slot_extras import SlotExtras
 
 _MASK32 = 0xFFFFFFFF
 
@@ -91,6 +95,7 @@ class BatchSampler:
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.extras = SlotExtras(max_slots, vocab_size, device)  # exllamav2's further samplers
         self._free = list(range(max_slots - 1, -1, -1))
         self._slots: dict[int, int] = {}
         self._settings: list[SamplerSettings] = [SamplerSettings.greedy()] * max_slots
@@ -115,6 +120,7 @@ class BatchSampler:
         if slot is None:
             return
         self._free.append(slot)
+        self.extras.release(serial, slot)
         self._sampled.discard(slot)
         self._edited.discard(slot)
         self._constrained.discard(slot)
@@ -127,10 +133,7 @@ class BatchSampler:
     def sample(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
         """One token per row ([B] int64 on the device); a row that no token can be
         drawn for (every logit masked or non-finite) gets -1, see raise_for_row."""
-        slots = [self._slots.get(s.serial) for s in sequences]
-        for i, slot in enumerate(slots):
-            if slot is None:
-                slots[i] = self._add(sequences[i])
+        slots = self._slots_of(sequences)
         index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         self.counters[index, 2] += 1
         constrained = [i for i, slot in enumerate(slots) if slot in self._constrained] if self._constrained else []
@@ -147,7 +150,8 @@ class BatchSampler:
             inputs.allowed = self._allowed(constrained, healing, sequences)
         x, bad = edited_logits(logits, inputs)
         uniform = self._uniforms(index) if self._sampled else None
-        ids = choose(x, inputs, uniform)
+        ids, mirostat_mu = choose(x, inputs, uniform)
+        self.extras.drawn(index, mirostat_mu)
         if self.counts is not None:
             self.counts.index_put_((index, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
         if self.seen is not None:
@@ -155,6 +159,20 @@ class BatchSampler:
         self._last = (logits, x, list(sequences))
         self.last_logprobs = self._logprobs(x, ids, index, wanted, sequences) if wanted else None
         return torch.where(bad, -1, ids)
+
+    @torch.inference_mode()
+    def distribution(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
+        """The [B, V] distribution the next sample() draws each row from (greedy rows: one-hot;
+        constraints and token healing aside), without drawing or moving any state."""
+        slots = self._slots_of(sequences)
+        index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        inputs = self._inputs(index, slots, sequences)
+        return distribution(edited_logits(logits, inputs)[0], inputs)
+
+    def _slots_of(self, sequences: Seq[Sequence]) -> list[int]:
+        """Each sequence's slot, given to it (and written) on its first sampled token."""
+        slots = [self._slots.get(s.serial) for s in sequences]
+        return [self._add(sequence) if slot is None else slot for sequence, slot in zip(sequences, slots, strict=True)]
 
     def _logprobs(self, x: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, wanted: list[int],
                   sequences: Seq[Sequence]) -> SampledLogprobs:
@@ -238,6 +256,7 @@ class BatchSampler:
                 self.bias[slot, biased] += torch.tensor(list(settings.token_bias.values()), device=self.device)
             if settings.banned_token_ids:
                 self.bias[slot, list(settings.banned_token_ids)] = -torch.inf
+        self.extras.add(slot, sequence)
         return slot
 
     def _inputs(self, index: torch.Tensor, slots: list[int], sequences: Seq[Sequence]) -> BatchInputs:
@@ -261,6 +280,7 @@ class BatchSampler:
                 inputs.counts = self.counts[index]
         if self._suppressing or self._banning:
             inputs.masked = self._suppressed(sequences)
+        self.extras.fill(inputs, index, slots, sequences)
         return inputs
 
     def _allowed(self, constrained: list[int], healing: list[int], sequences: Seq[Sequence]

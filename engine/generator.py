@@ -472,7 +472,10 @@ class Generator:
         """Draft, then start the forward and the sampling of the plain rows
         (on the overlap thread, or here)."""
         self._steps += 1
-        drafts, draft_probs = self._fill_drafts([item for item in schedule.scheduled if item.draft_room])
+        # a stateful sampler (mirostat's mu moves with each token) cannot verify drafts in one pass:
+        # such jobs decode one token a step, without drafts
+        drafts, draft_probs = self._fill_drafts([item for item in schedule.scheduled
+                                                 if item.draft_room and not item.sequence.job.gen_settings.stateful])
         rows = [self._row(item, drafts.get(item.sequence.serial, [])) for item in schedule.scheduled]
         plain: list[tuple[Sequence, int]] = []
         speculated: list[tuple[Sequence, int, list[int]]] = []

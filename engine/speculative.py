@@ -8,6 +8,9 @@ from q is kept with probability min(1, p(d) / q(d)); on rejection the token is
 drawn from the residual max(0, p - q) renormalised; if every draft is kept,
 one more token is drawn from p at the next position (Leviathan et al., 2023;
 Chen et al., 2023). An n-gram draft is deterministic, so q is one-hot there.
+Every sampler setting is a function of the logits and the context, so verify rows
+use them all, except mirostat, whose state moves with each token: the generator
+does not draft for such jobs (SamplerSettings.stateful).
 """
 
 from __future__ import annotations
