@@ -11,6 +11,10 @@ Every operation is one function here, dispatched per call:
 triton is imported only when the Triton path is first taken, so this package
 imports (and the CPU path works) without triton installed; taking the Triton
 path without it fails loudly. This package imports nothing else of ours.
+
+The KV cache may be stored quantized (fp8, q8, q4; kernels/kv_quant.py):
+kv_cache_format says what a format stores, the cache tensor's dtype selects
+it, and write_kv / paged_attention then take the cache's scales too.
 """
 
 from __future__ import annotations
@@ -22,10 +26,14 @@ from types import ModuleType
 import torch
 
 from kernels import reference
+from kernels.kv_quant import KV_CACHE_DTYPES, KVFormat, kv_cache_format
 
 __all__ = [
+    "KV_CACHE_DTYPES",
+    "KVFormat",
     "apply_rope",
     "gelu_tanh_and_mul",
+    "kv_cache_format",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",
@@ -93,9 +101,15 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    return _impl(k).write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return _impl(k).write_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
 
 def paged_attention(
@@ -108,9 +122,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return _impl(q).paged_attention(
-        q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap
+        q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap, k_scales,
+        v_scales,
     )
 
 

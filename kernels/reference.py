@@ -18,15 +18,23 @@ position context_lens[b] - q_len[b] + i and attends causally to positions
 
 Soft-capping (Gemma 2): with a cap c, scaled scores s become c * tanh(s / c)
 before the mask and the softmax.
+
+Quantized caches (kernels/kv_quant.py; the cache's dtype picks the format):
+write_kv quantizes each (head, token) vector into its slot and its scales;
+paged_attention dequantizes only the pages it gathers, into a per-call
+workspace, and never the whole cache.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_quant import KVFormat, dequantize_into, paged_format, quantize, rotate
 
 
 def rms_norm(
@@ -78,12 +86,31 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's K/V [T, Hkv, D] into their cache slots."""
+    """Store this step's K/V [T, Hkv, D] into their cache slots; a quantized
+    cache (fp8 / q8 / q4, by its dtype) also gets each vector's scales in
+    k_scales / v_scales [Hkv, pages, page_size, groups], which it requires."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    for new, cache in ((k, k_cache), (v, v_cache)):
-        cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
+    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, head_dim)
+    for new, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        if scales is None or not fmt.quantized:
+            cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
+            continue
+        data, new_scales = quantize(new.transpose(0, 1), fmt)
+        _bits(cache).view(num_kv_heads, -1, fmt.data_dim).index_copy_(1, slot_mapping, _bits(data))
+        scales.view(num_kv_heads, -1, fmt.scale_groups).index_copy_(1, slot_mapping, new_scales)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their uint8 bit patterns (torch's CPU index_copy_ has no fp8)."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
 def paged_attention(
@@ -96,14 +123,21 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D].
+    A quantized cache needs its scales (see write_kv); q4's rotation is applied
+    to q and undone on the output here.
 
     Rows with few query tokens (decodes, and speculative verify rows of
     1 + drafts) are grouped by query length and context length, so padding
     to the longest row in a group wastes at most ~30%, and each group runs as
     one padded batch; longer (prefill chunk) rows run one sequence at a time.
     """
+    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
+    q = rotate(q, fmt)
+    kv = _PagedKV(k_cache, v_cache, k_scales, v_scales, fmt)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
@@ -116,8 +150,8 @@ def paged_attention(
             continue
         s = starts[b]
         out[s : s + q_len] = _attend(
-            q[s : s + q_len].unsqueeze(0), k_cache, v_cache, page_table[b : b + 1], ctx[b : b + 1], scale,
-            sliding_window, softcap,
+            q[s : s + q_len].unsqueeze(0), kv, page_table[b : b + 1], ctx[b : b + 1], scale, sliding_window,
+            softcap,
         ).squeeze(0)
     for q_len, rows in short_rows.items():
         for group in _length_groups(rows, ctx, page_size):
@@ -125,10 +159,10 @@ def paged_attention(
             starts = cu_seqlens_q[:-1].long()[index].unsqueeze(1)
             token_idx = (starts + torch.arange(q_len, device=q.device)).reshape(-1)
             out[token_idx] = _attend(
-                q[token_idx].view(len(group), q_len, *q.shape[1:]), k_cache, v_cache, page_table[index],
-                [ctx[b] for b in group], scale, sliding_window, softcap,
+                q[token_idx].view(len(group), q_len, *q.shape[1:]), kv, page_table[index], [ctx[b] for b in group],
+                scale, sliding_window, softcap,
             ).reshape(-1, *q.shape[1:])
-    return out
+    return rotate(out, fmt)
 
 
 def _length_groups(rows: list[int], ctx: list[int], page_size: int, min_fill: float = 0.7) -> list[list[int]]:
@@ -151,25 +185,45 @@ BATCHED_QUERY_LEN = 16
 _workspace = threading.local()
 
 
-def _gather_buffer(slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+def _gather_buffer(slot: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A reusable buffer for gathered pages. Allocating tens of MB per layer
     would page-fault fresh memory on every call, which costs more on CPU than
     the copy itself."""
-    key = (slot, like.dtype, like.device)
+    key = (slot, dtype, device)
     buffers = getattr(_workspace, "buffers", None)
     if buffers is None:
         buffers = _workspace.buffers = {}
     numel = math.prod(shape)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel].view(shape)
+
+
+class _PagedKV(NamedTuple):
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scales: torch.Tensor | None
+    v_scales: torch.Tensor | None
+    fmt: KVFormat
+
+    def gather(self, which: int, pages: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The listed pages of K (which=0) or V (1), [Hkv, len(pages), page_size, head_dim],
+        in the cache's dtype, or dequantized to fp32 (q4: still rotated) for a quantized cache."""
+        cache = (self.k_cache, self.v_cache)[which]
+        num_kv_heads, page_size = cache.shape[0], cache.shape[2]
+        shape = (num_kv_heads, pages.numel(), page_size, cache.shape[3])
+        data = torch.index_select(cache, 1, pages, out=_gather_buffer(which, shape, cache.dtype, cache.device))
+        scales = (self.k_scales, self.v_scales)[which]
+        if scales is None or not self.fmt.quantized:
+            return data
+        values = _gather_buffer(2 + which, (*shape[:-1], head_dim), torch.float32, cache.device)
+        return dequantize_into(values, data, torch.index_select(scales, 1, pages), self.fmt)
 
 
 def _attend(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: _PagedKV,
     page_table: torch.Tensor,
     context_lens: list[int],
     scale: float,
@@ -177,13 +231,12 @@ def _attend(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, Lq, Hq, D] (the last Lq positions of each context) -> [B, Lq, Hq, D]."""
-    batch, q_len = q.shape[0], q.shape[1]
-    num_kv_heads, page_size, head_dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+    batch, q_len, head_dim = q.shape[0], q.shape[1], q.shape[3]
+    num_kv_heads, page_size = kv.k_cache.shape[0], kv.k_cache.shape[2]
     num_pages = -(-max(context_lens) // page_size)
     pages = page_table[:, :num_pages].reshape(-1).long()
-    shape = (num_kv_heads, batch * num_pages, page_size, head_dim)
-    keys = torch.index_select(k_cache, 1, pages, out=_gather_buffer(0, shape, k_cache))
-    values = torch.index_select(v_cache, 1, pages, out=_gather_buffer(1, shape, v_cache))
+    keys = kv.gather(0, pages, head_dim)
+    values = kv.gather(1, pages, head_dim)
     span = num_pages * page_size
     keys = keys.view(num_kv_heads, batch, span, head_dim).permute(1, 0, 2, 3)
     values = values.view(num_kv_heads, batch, span, head_dim).permute(1, 0, 2, 3)

@@ -29,6 +29,18 @@ Design (after vLLM's unified Triton attention and flash-decoding):
   search over cu_seqlens_q (as vLLM does), so no host sync is needed.
 - Accumulation is fp32 throughout; fp32 inputs use IEEE dot products (no TF32)
   so the kernels match the reference to 1e-5.
+- Quantized caches (kernels/kv_quant.py): `_write_kv_quant_kernel` quantizes
+  each (token, head) vector into its slot and scales, bit-identical to the
+  torch reference; `_quantized_paged_attention_kernel` is the attention kernel
+  with each K/V tile dequantized (fp32) right after its load. The
+  full-precision `_paged_attention_kernel` is that kernel with no scales (and
+  keeps its own signature). q4's Hadamard rotation is applied to q and the
+  output around the kernel (kv_quant.rotate), as the reference does.
+- fp8 (e4m3fn) travels through the kernels as its uint8 bit pattern, encoded
+  and decoded by hand (`_fp8_to_float`, `_float_to_fp8`): Triton's
+  interpreter casts to fp8 rounding half away from zero and flushing
+  subnormals (torch rounds to nearest even), and the decode, a shift into
+  fp16 and one multiply, needs no fp8 hardware (it runs on Ampere too).
 """
 
 from __future__ import annotations
@@ -38,6 +50,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_quant import SCALE_MAX, SCALE_MIN, KVFormat, paged_format, rotate
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Two of the interpreter's bf16 shortcomings are worked around under it (and
@@ -296,11 +310,22 @@ def _slot_stride(cache: torch.Tensor) -> int:
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's K/V [T, Hkv, D] into their cache slots."""
+    """Store this step's K/V [T, Hkv, D] into their cache slots; a quantized
+    cache (fp8 / q8 / q4, by its dtype) also gets each vector's scales."""
     tokens, num_kv_heads, head_dim = k.shape
+    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, head_dim)
     if tokens == 0:
+        return
+    if fmt.quantized and k_scales is not None and v_scales is not None:
+        _write_kv_quantized(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, fmt)
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
@@ -310,6 +335,179 @@ def write_kv(
         k_cache.stride(0), _slot_stride(k_cache), v_cache.stride(0), _slot_stride(v_cache),
         head_dim, BLOCK_D=_block(head_dim),
     )
+
+
+# --------------------------------------------------------------------------- quantized KV
+
+# KV_FORMAT constexpr values
+_FLOAT = tl.constexpr(0)
+_FP8 = tl.constexpr(1)
+_Q8 = tl.constexpr(2)
+_Q4 = tl.constexpr(3)
+_FORMAT_IDS = {"auto": 0, "fp8": 1, "q8": 2, "q4": 3}
+
+
+@triton.jit
+def _fp8_to_float(bits):
+    """e4m3fn bit patterns (uint8) -> fp32, exactly: the exponent and mantissa
+    bits shifted into place are an fp16 that is the value / 256 (e4m3's
+    subnormals land on fp16's subnormals, so they decode too)."""
+    b = bits.to(tl.int32)
+    half = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _float_to_fp8(y):
+    """fp32 in [-448, 448] -> e4m3fn bit patterns (uint8), rounding to nearest
+    even as torch does; exact fp32 and integer arithmetic only."""
+    bits = y.to(tl.uint32, bitcast=True)
+    a = tl.abs(y)
+    # normal range: keep 3 mantissa bits (round half to even on the bits)
+    a_bits = a.to(tl.uint32, bitcast=True)
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # subnormal range (< 2^-6): multiples of 2^-9, rounded half to even
+    m = a * 512.0
+    whole = tl.floor(m)
+    frac = m - whole
+    odd = (whole.to(tl.int32) & 1) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    sub = tl.where(up, whole + 1.0, whole) * 0.001953125
+    r = tl.where(a < 0.015625, sub, normal)
+    # on the e4m3 grid, r / 256 is an exact fp16 whose bits shift back into e4m3's
+    half = (r * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    return (((half >> 7) & 0x7F) | ((bits >> 24) & 0x80).to(tl.int32)).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_store(
+    x_row, data_row, scale_row, head_dim,
+    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
+    QMAX: tl.constexpr, SCALE_LO: tl.constexpr, SCALE_HI: tl.constexpr,
+):
+    """Quantize one head vector (head_dim values at x_row) into its slot:
+    data at data_row, one float16 scale per GROUP values at scale_row. Works
+    on a [groups, values] tile; q4 loads a group's even and odd elements as
+    two tiles, which are the low and high nibbles of its bytes."""
+    num_groups = head_dim // GROUP
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_J)
+    if KV_FORMAT == _Q4:
+        mask = (g[:, None] < num_groups) & (j[None, :] < GROUP // 2)
+        offs = g[:, None] * GROUP + 2 * j[None, :]
+        lo = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(x_row + offs + 1, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    else:
+        mask = (g[:, None] < num_groups) & (j[None, :] < GROUP)
+        offs = g[:, None] * GROUP + j[None, :]
+        lo = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        hi = lo
+        amax = tl.max(tl.abs(lo), axis=1)
+    scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX), SCALE_LO), SCALE_HI).to(tl.float16)
+    tl.store(scale_row + g, scale, mask=g < num_groups)
+    s = scale.to(tl.float32)[:, None]
+    lo = tl.minimum(tl.maximum(tl.math.div_rn(lo, s), -QMAX), QMAX)
+    if KV_FORMAT == _FP8:
+        tl.store(data_row + offs, _float_to_fp8(lo), mask=mask)
+    elif KV_FORMAT == _Q8:
+        tl.store(data_row + offs, tl.floor(lo + 0.5).to(tl.int8), mask=mask)
+    else:
+        hi = tl.minimum(tl.maximum(tl.math.div_rn(hi, s), -QMAX), QMAX)
+        packed = (tl.floor(lo + 0.5) + 8.0).to(tl.int32) | ((tl.floor(hi + 0.5) + 8.0).to(tl.int32) << 4)
+        tl.store(data_row + offs // 2, packed.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _write_kv_quant_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s,
+    stride_ks_h, stride_ks_s, stride_vs_h, stride_vs_s,
+    head_dim,
+    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
+    QMAX: tl.constexpr, SCALE_LO: tl.constexpr, SCALE_HI: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # negative slots mark padding tokens, as in _write_kv_kernel
+        _quantize_store(
+            k_ptr + t * stride_kt + h * stride_kh, k_cache_ptr + h * stride_kc_h + slot * stride_kc_s,
+            k_scale_ptr + h * stride_ks_h + slot * stride_ks_s, head_dim,
+            KV_FORMAT, GROUP, BLOCK_G, BLOCK_J, QMAX, SCALE_LO, SCALE_HI,
+        )
+        _quantize_store(
+            v_ptr + t * stride_vt + h * stride_vh, v_cache_ptr + h * stride_vc_h + slot * stride_vc_s,
+            v_scale_ptr + h * stride_vs_h + slot * stride_vs_s, head_dim,
+            KV_FORMAT, GROUP, BLOCK_G, BLOCK_J, QMAX, SCALE_LO, SCALE_HI,
+        )
+
+
+def _kernel_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels address it: fp8 as its uint8 bit patterns."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
+def _scale_strides(scales: torch.Tensor) -> tuple[int, int, int]:
+    """(head, page, slot) strides of a scales tensor; its slots must be one run
+    along (page, offset), like the cache's."""
+    if scales.stride(3) != 1 or scales.stride(1) != scales.shape[2] * scales.stride(2):
+        raise ValueError("KV scales must be [heads, pages, page_size, groups] with contiguous pages")
+    return scales.stride(0), scales.stride(1), scales.stride(2)
+
+
+def _write_kv_quantized(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    fmt: KVFormat,
+) -> None:
+    tokens, num_kv_heads, head_dim = k.shape
+    # q4 quantizes the rotated vectors (fp32, exactly as the reference rotates them)
+    k = rotate(k.float(), fmt) if fmt.rotated else k
+    v = rotate(v.float(), fmt) if fmt.rotated else v
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    group = fmt.group_size
+    ks, vs = _scale_strides(k_scales), _scale_strides(v_scales)
+    _write_kv_quant_kernel[(tokens, num_kv_heads)](
+        k, v, _kernel_view(k_cache), _kernel_view(v_cache), k_scales, v_scales, slot_mapping.contiguous(),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), _slot_stride(k_cache), v_cache.stride(0), _slot_stride(v_cache),
+        ks[0], ks[2], vs[0], vs[2],
+        head_dim,
+        KV_FORMAT=_FORMAT_IDS[fmt.name], GROUP=group, BLOCK_G=_block(fmt.scale_groups),
+        BLOCK_J=_block(group // 2 if fmt.name == "q4" else group), QMAX=fmt.qmax, SCALE_LO=SCALE_MIN,
+        SCALE_HI=SCALE_MAX,
+    )
+
+
+@triton.jit
+def _load_kv(
+    cache_base, scale_base, slot_offs, scale_offs, d, slot_mask, d_mask,
+    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr,
+):
+    """A K or V tile: slot_offs / scale_offs / slot_mask (per slot) broadcast
+    against d / d_mask (the head_dim index); fp32 values for a quantized cache,
+    the cache's own dtype otherwise."""
+    mask = slot_mask & d_mask
+    if KV_FORMAT == _Q4:
+        packed = tl.load(cache_base + slot_offs + d // 2, mask=mask, other=0).to(tl.int32)
+        x = (((packed >> ((d % 2) * 4)) & 15) - 8).to(tl.float32)
+    elif KV_FORMAT == _FP8:
+        x = _fp8_to_float(tl.load(cache_base + slot_offs + d, mask=mask, other=0))
+    else:
+        x = tl.load(cache_base + slot_offs + d, mask=mask, other=0.0)
+    if KV_FORMAT == _FP8:  # one scale per slot
+        x = x * tl.load(scale_base + scale_offs, mask=slot_mask, other=0.0).to(tl.float32)
+    elif KV_FORMAT != _FLOAT:
+        x = x.to(tl.float32) * tl.load(scale_base + scale_offs + d // GROUP, mask=mask, other=0.0).to(tl.float32)
+    return x
 
 
 # --------------------------------------------------------------------------- paged attention
@@ -342,6 +540,35 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+):
+    """A full-precision cache: the quantized kernel with no scales (the scale
+    pointers passed are never read)."""
+    _quantized_paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        page_table_ptr, cu_q_ptr, ctx_ptr,
+        scale, num_seqs, num_query_heads, head_dim, sliding_window, softcap,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kc_h, stride_kc_p, stride_kc_s, stride_vc_h, stride_vc_p, stride_vc_s,
+        stride_pt, page_size,
+        k_cache_ptr, v_cache_ptr, 0, 0, 0, 0, 0, 0,
+        GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS, DECODE_ONLY, HAS_WINDOW, SOFTCAP, IEEE,
+        _FLOAT, 1,
+    )
+
+
+@triton.jit
+def _quantized_paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    page_table_ptr, cu_q_ptr, ctx_ptr,
+    scale, num_seqs, num_query_heads, head_dim, sliding_window, softcap,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kc_h, stride_kc_p, stride_kc_s, stride_vc_h, stride_vc_p, stride_vc_s,
+    stride_pt, page_size,
+    k_scale_ptr, v_scale_ptr, stride_ks_h, stride_ks_p, stride_ks_s, stride_vs_h, stride_vs_p, stride_vs_s,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    KV_FORMAT: tl.constexpr, QUANT_GROUP: tl.constexpr,
 ):
     block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -388,6 +615,8 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         kc_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kc_h
         vc_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vc_h
+        ks_base = k_scale_ptr + kv_head.to(tl.int64) * stride_ks_h
+        vs_base = v_scale_ptr + kv_head.to(tl.int64) * stride_vs_h
         pt_row = page_table_ptr + seq.to(tl.int64) * stride_pt
         for tile in range(tile_begin, tile_end):
             n = kv_lo + tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -396,8 +625,12 @@ def _paged_attention_kernel(
             in_page = (n % page_size).to(tl.int64)
             k_offs = page * stride_kc_p + in_page * stride_kc_s
             v_offs = page * stride_vc_p + in_page * stride_vc_s
-            kt = tl.load(kc_base + k_offs[None, :] + d[:, None], mask=n_valid[None, :] & d_mask[:, None], other=0.0)
-            v = tl.load(vc_base + v_offs[:, None] + d[None, :], mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+            ks_offs = page * stride_ks_p + in_page * stride_ks_s
+            vs_offs = page * stride_vs_p + in_page * stride_vs_s
+            kt = _load_kv(kc_base, ks_base, k_offs[None, :], ks_offs[None, :], d[:, None], n_valid[None, :],
+                          d_mask[:, None], KV_FORMAT, QUANT_GROUP)
+            v = _load_kv(vc_base, vs_base, v_offs[:, None], vs_offs[:, None], d[None, :], n_valid[:, None],
+                         d_mask[None, :], KV_FORMAT, QUANT_GROUP)
             kt = _cast(kt, q.dtype)
             v = _cast(v, q.dtype)
             s = _dot(q, kt, IEEE)
@@ -477,6 +710,8 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     block_m: int | None = None,
@@ -484,6 +719,8 @@ def _paged_attention(
 ) -> torch.Tensor:
     """paged_attention with the tiling exposed (the tests force splits and
     small blocks to reach every path)."""
+    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
+    q = rotate(q, fmt)  # q4: q.k over rotated keys is q.k; the output is rotated back below
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     batch = context_lens.shape[0]
@@ -512,24 +749,34 @@ def _paged_attention(
         part_lse = torch.empty(tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    _paged_attention_kernel[(num_blocks, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse,
+    args = [
+        q, _kernel_view(k_cache), _kernel_view(v_cache), out, part_out, part_lse,
         page_table, cu_seqlens_q, context_lens,
         float(scale), batch, num_heads, head_dim, int(sliding_window or 0), float(softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), k_cache.shape[2],
+    ]
+    consts = dict(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
         HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
     )
+    grid = (num_blocks, num_kv_heads, num_splits)
+    if k_scales is None or v_scales is None or not fmt.quantized:
+        _paged_attention_kernel[grid](*args, **consts)
+    else:
+        _quantized_paged_attention_kernel[grid](
+            *args, k_scales, v_scales, *_scale_strides(k_scales), *_scale_strides(v_scales),
+            **consts, KV_FORMAT=_FORMAT_IDS[fmt.name], QUANT_GROUP=fmt.group_size,
+        )
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
             part_out, part_lse, out, num_heads, head_dim, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=_block(num_splits), BLOCK_D=block_d,
         )
-    return out
+    return rotate(out, fmt)
 
 
 def paged_attention(
@@ -542,8 +789,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D]."""
+    """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D];
+    a quantized cache needs its scales."""
     return _paged_attention(
-        q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap
+        q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap, k_scales,
+        v_scales,
     )

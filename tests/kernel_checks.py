@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from kernels import kv_cache_format  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels import triton_kernels as tk  # noqa: E402
 
@@ -194,6 +195,162 @@ def check_attention_prefill() -> None:
                     softcap=2.0)
 
 
+def _quantized_cache(fmt_name: str, hkv: int, pages: int, page_size: int, d: int, g: torch.Generator):
+    """A cache of format fmt_name filled with arbitrary bits (as reused pages hold),
+    and its scales."""
+    fmt = kv_cache_format(fmt_name, d, torch.float32)
+    data = torch.randint(0, 256, (hkv, pages, page_size, fmt.data_dim), generator=g, dtype=torch.uint8)
+    data[data.view(torch.float8_e4m3fn).float().isnan()] = 0  # no NaN patterns: fp8 caches never hold them
+    scales = torch.rand(hkv, pages, page_size, fmt.scale_groups, generator=g).half() + 0.01
+    return data.view(fmt.data_dtype), scales
+
+
+def _slots(x: torch.Tensor) -> torch.Tensor:
+    """A cache or scales tensor's bytes as [heads, slots, bytes per slot]."""
+    return x.view(torch.uint8).reshape(x.shape[0], x.shape[1] * x.shape[2], -1)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def check_fp8_codec() -> None:
+    """The kernels' hand-written e4m3fn encode/decode against torch's: every bit
+    pattern decodes exactly; every grid value, every midpoint between neighbours
+    (ties: round half to even), subnormals, +-0 and random values encode to torch's bits."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def roundtrip(x_ptr, bits_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        tl.store(bits_ptr + i, tk._float_to_fp8(tl.load(x_ptr + i, mask=mask, other=0.0)), mask=mask)
+        tl.store(y_ptr + i, tk._fp8_to_float(tl.load(bits_ptr + i, mask=mask, other=0)), mask=mask)
+
+    patterns = torch.arange(256, dtype=torch.uint8)
+    grid = patterns.view(torch.float8_e4m3fn).float()
+    grid = grid[~grid.isnan()].unique()  # sorted, -448 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2
+    g = torch.Generator().manual_seed(30)
+    rand = torch.cat((torch.randn(2000, generator=g) * 30, torch.randn(500, generator=g) * 0.01))
+    x = torch.cat((grid, mids, rand.clamp(-448, 448), torch.tensor([0.0, -0.0, 448.0, -448.0, 2**-10, -(2**-10)])))
+    bits = torch.empty(x.shape, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    roundtrip[(triton.cdiv(x.numel(), 512),)](x, bits, y, x.numel(), BLOCK=512)
+    want = x.to(torch.float8_e4m3fn)
+    wrong = bits != want.view(torch.uint8)
+    assert not wrong.any(), f"fp8 encode: {int(wrong.sum())} of {x.numel()} differ from torch, e.g. {x[wrong][:5]}"
+    assert torch.equal(y, want.float()), "fp8 decode differs from torch"
+    print(f"fp8 codec: {x.numel()} values bit-exact ({len(mids)} ties)")
+
+
+def check_kv_quant_write() -> None:
+    """Quantizing write_kv: Triton bits equal the reference's (data and scales) for
+    every format and activation dtype; only the targeted slots change; a
+    negative (padding) slot writes nothing; strided K/V and int32 slots."""
+    g = torch.Generator().manual_seed(31)
+    for fmt_name in ("fp8", "q8", "q4"):
+        for dtype, d in ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 96)):
+            hkv, pages, page_size, tokens = 2, 5, 4, 7
+            slots = torch.randperm(pages * page_size, generator=g)[:tokens]
+            kv = (3 * torch.randn(tokens, 2 * hkv * d, generator=g)).to(dtype)
+            kv[2] = 0  # a zero vector: smallest scale, zeros stored
+            kv[:, 5] *= 20  # an outlier channel
+            k, v = kv[:, : hkv * d].view(tokens, hkv, d), kv[:, hkv * d :].view(tokens, hkv, d)
+            caches = [_quantized_cache(fmt_name, hkv, pages, page_size, d, g) for _ in "kv"]
+            (kc1, ks1), (vc1, vs1) = [(c.clone(), s.clone()) for c, s in caches]
+            (kc2, ks2), (vc2, vs2) = [(c.clone(), s.clone()) for c, s in caches]
+            padded = torch.cat((slots[:3], torch.tensor([-1]), slots[3:])).int()
+            k_pad = torch.cat((k[:3], 100 * torch.ones_like(k[:1]), k[3:]))
+            v_pad = torch.cat((v[:3], 100 * torch.ones_like(v[:1]), v[3:]))
+            tk.write_kv(k_pad, v_pad, kc1, vc1, padded, ks1, vs1)
+            ref.write_kv(k, v, kc2, vc2, slots, ks2, vs2)
+            case = f"write_kv {fmt_name} {dtype} D={d}"
+            for got, want in ((kc1, kc2), (vc1, vc2), (ks1, ks2), (vs1, vs2)):
+                assert _same_bits(got, want), f"{case}: Triton and reference caches differ"
+            untouched = torch.ones(pages * page_size, dtype=torch.bool)
+            untouched[slots] = False
+            for after, before in ((kc1, caches[0][0]), (ks1, caches[0][1]), (vc1, caches[1][0]), (vs1, caches[1][1])):
+                same = torch.equal(_slots(after)[:, untouched], _slots(before)[:, untouched])
+                assert same, f"{case}: other slots changed"
+            print(f"{case}: exact")
+
+
+def _quant_attention_case(
+    fmt_name: str,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    hkv: int,
+    group: int,
+    d: int,
+    page_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    **tiling: int,
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    batch = len(q_lens)
+    max_pages = max(-(-c // page_size) for c in ctx_lens) + 1
+    num_pages = batch * max_pages + 3
+    (k_cache, k_scales), (v_cache, v_scales) = (
+        _quantized_cache(fmt_name, hkv, num_pages, page_size, d, g) for _ in "kv"
+    )
+    # values of a realistic size (an outlier channel in K), written through the reference
+    slots = num_pages * page_size
+    k = torch.randn(slots, hkv, d, generator=g)
+    k[..., 3] *= 10
+    ref.write_kv(k, torch.randn(slots, hkv, d, generator=g), k_cache, v_cache, torch.arange(slots), k_scales, v_scales)
+    page_table = torch.randperm(num_pages, generator=g)[: batch * max_pages].view(batch, max_pages).int()
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hkv * group, d, generator=g).to(dtype)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    args = (q, k_cache, v_cache, page_table, cu, ctx, d**-0.5, window, softcap, k_scales, v_scales)
+    want = ref.paged_attention(*args)
+    got = tk._paged_attention(*args, **tiling)
+    close(
+        f"paged_attention {fmt_name} q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} page={page_size} "
+        f"window={window} softcap={softcap} {tiling} {dtype}",
+        got, want, dtype,
+    )
+
+
+def check_kv_quant_attention() -> None:
+    """Paged attention over fp8 / q8 / q4 caches, Triton vs reference: split-K
+    decodes, verify rows, a prefill chunk, GQA, partial pages, window, soft-cap."""
+    for i, fmt_name in enumerate(("fp8", "q8", "q4")):
+        seed = 40 + 10 * i
+        _quant_attention_case(fmt_name, [1, 1, 1], [1, 9, 14], hkv=2, group=2, d=64, page_size=4,
+                              dtype=torch.float32, seed=seed, num_splits=2)
+        _quant_attention_case(fmt_name, [3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
+                              dtype=torch.float32, seed=seed + 1)
+        _quant_attention_case(fmt_name, [2, 1], [11, 5], hkv=2, group=2, d=64, page_size=4, dtype=torch.bfloat16,
+                              seed=seed + 2)
+        _quant_attention_case(fmt_name, [4, 1], [10, 9], hkv=1, group=2, d=96, page_size=4, dtype=torch.float32,
+                              seed=seed + 3, window=5, softcap=2.0)
+    # the public functions with the Triton path forced hand the scales to the kernels
+    import kernels
+
+    g = torch.Generator().manual_seed(70)
+    k, v, q = (torch.randn(8, 1, 32, generator=g) for _ in range(3))
+    (kc, ks), (vc, vs) = (_quantized_cache("q4", 1, 2, 4, 32, g) for _ in "kv")
+    caches = [t.clone() for t in (kc, vc, ks, vs)]
+    cu, ctx, table = (torch.tensor(x, dtype=torch.int32) for x in ([0, 8], [8], [[1, 0]]))
+    ref.write_kv(k, v, kc, vc, torch.arange(8), ks, vs)
+    os.environ[kernels.FORCE_ENV] = "1"
+    try:
+        kernels.write_kv(k, v, caches[0], caches[1], torch.arange(8), caches[2], caches[3])
+        got = kernels.paged_attention(q, *caches[:2], table, cu, ctx, 0.2, None, None, *caches[2:])
+    finally:
+        del os.environ[kernels.FORCE_ENV]
+    assert kernels._triton is tk
+    assert all(_same_bits(a, b) for a, b in zip(caches, (kc, vc, ks, vs))), "forced write_kv differs"
+    close("public paged_attention q4, Triton forced", got,
+          ref.paged_attention(q, kc, vc, table, cu, ctx, 0.2, None, None, ks, vs), torch.float32)
+
+
 def _greedy_run(model_dir: str, forced: bool) -> dict[str, list[int]]:
     """Greedy completions of a batch with chunked prefill, decodes in the same
     steps and a prefix-cache hit, with the Triton path forced or not."""
@@ -278,6 +435,9 @@ GROUPS = {
     "attention_decode": check_attention_decode,
     "attention_prefill": check_attention_prefill,
     "engine": check_engine,
+    "fp8_codec": check_fp8_codec,
+    "kv_quant_write": check_kv_quant_write,
+    "kv_quant_attention": check_kv_quant_attention,
 }
 
 if __name__ == "__main__":
