@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -41,17 +42,24 @@ def celery_client(redis_url: str) -> Celery:
     return plain_client(redis_url)
 
 
-@pytest.fixture(scope="module")
-def worker(model_dir: Path, redis_url: str, celery_client: Celery,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(model_dir, redis_url, QUEUE, "gateway-worker",
-                            tmp_path_factory.mktemp("gw-worker") / "worker.log",
+@contextmanager
+def running_worker(model_dir: Path, redis_url: str, celery_client: Celery, log_dir: Path, queue: str = QUEUE,
+                   name: str = "gateway-worker") -> Iterator[WorkerProcess]:
+    """A `genq worker` on `queue`, its engine up."""
+    process = WorkerProcess(model_dir, redis_url, queue, name, log_dir / "worker.log",
                             {"cache_tokens": 16384, "page_size": 16, "concurrency": 16}).start()
     try:
         process.wait_ready(celery_client)
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir: Path, redis_url: str, celery_client: Celery,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    with running_worker(model_dir, redis_url, celery_client, tmp_path_factory.mktemp("gw-worker")) as process:
+        yield process
 
 
 def service_env(redis_url: str) -> dict[str, str]:

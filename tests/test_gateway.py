@@ -200,17 +200,19 @@ def test_a_failed_generation_is_called_back_with_its_error(
 ):
     state, receiver_url = receiver
     state.failures = 0
-    # Valid for the protocol, refused by the worker: the token id is outside the model's vocabulary.
+    # Valid for the protocol and for the gateway's checks, refused by the worker: the model's chat
+    # template allows a system message only first (the gateway does not render templates).
     response = httpx.post(f"{gateway}/v1/tasks", headers=bearer(), timeout=30, json={
-        "input_ids": [5, 10**6], "callback_url": f"{receiver_url}/failed"})
+        "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}],
+        "callback_url": f"{receiver_url}/failed"})
     assert response.status_code == 202, response.text
     (headers, body), = state.wait("/failed", 1)
     verify(SECRET, body, headers[TIMESTAMP_HEADER], headers[SIGNATURE_HEADER], window_s=60)
     delivered = json.loads(body)
     assert delivered["event"] == "generation.failed" and delivered["state"] == "FAILURE"
-    assert "vocabulary" in delivered["error"] and delivered["result"] is None
+    assert "system message" in delivered["error"] and delivered["result"] is None
     status = httpx.get(f"{gateway}/v1/tasks/{response.json()['id']}", headers=bearer(), timeout=10).json()
-    assert status["state"] == "FAILURE" and "vocabulary" in status["error"]
+    assert status["state"] == "FAILURE" and "system message" in status["error"]
 
 
 def test_webhook_refuses_bad_signatures_stale_timestamps_and_replays(gateway: str):

@@ -351,7 +351,8 @@ def documented_genq_keys() -> list[re.Pattern[str]]:
     names = re.findall(r"^\| `(\{prefix\}:[^`]+)` \|", section, re.M)
     assert len(names) >= 9, names
     identifier = IDENTIFIER_PATTERN.strip("^$")
-    parts = {"{prefix}": "genq", "{id}": identifier, "{task id}": identifier, "{digest}": "[0-9A-Za-z_-]+"}
+    parts = {"{prefix}": "genq", "{id}": identifier, "{task id}": identifier, "{queue}": identifier,
+             "{digest}": "[0-9A-Za-z_-]+"}
     patterns = []
     for name in names:
         pattern = re.escape(name)

@@ -18,6 +18,7 @@ from engine.progress import LoadProgress
 from producer.protocol import ControlMessage, cancel_key, control_channel
 from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
+from worker.model_card import CardPublisher, describe
 from worker.publisher import Publisher
 from worker.redelivery import LEASE_S, Redeliveries
 from worker.settings import Settings
@@ -33,9 +34,12 @@ class Runtime:
     loop: EngineLoop
     control: ControlListener
     redeliveries: Redeliveries
+    card: CardPublisher
 
     @classmethod
-    def start(cls, settings: Settings, backend: Backend) -> Runtime:
+    def start(cls, settings: Settings, backend: Backend, node: str) -> Runtime:
+        """Load the model, start the engine loop and the control listener, then publish the
+        model card under the worker's node name."""
         if not settings.model:
             raise ValueError("no model: pass --model DIR or set GENQ_MODEL")
         started = time.monotonic()
@@ -69,14 +73,17 @@ class Runtime:
             metrics.serve(settings.metrics_port, settings.metrics_address)
             log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, settings.metrics_port)
         redeliveries = Redeliveries(client, backend, settings.key_prefix)
-        control = ControlListener(client, settings.key_prefix, loop, redeliveries)
+        card = CardPublisher(client, settings.key_prefix, settings.queue, node, *describe(generator, settings.model))
+        card.heartbeat()
+        control = ControlListener(client, settings.key_prefix, loop, redeliveries, card)
         control.start()
         log.info("engine ready in %.1f s: %d cache pages of %d tokens", time.monotonic() - started,
                  generator.pool.num_pages, generator.page_size)
-        return cls(settings, generator, publisher, loop, control, redeliveries)
+        return cls(settings, generator, publisher, loop, control, redeliveries, card)
 
     def stop(self) -> None:
         """Let in-flight jobs finish within the grace period (requeued after it), then stop."""
+        self.card.withdraw()
         self.loop.stop(self.settings.shutdown_grace_s)
         self.control.stop()
 
@@ -99,15 +106,17 @@ def warn_without_persistence(client: redis.Redis) -> None:
 
 class ControlListener:
     """Subscribes to the control channel and forwards cancellations to the loop;
-    between messages it also refreshes the running jobs' leases."""
+    between messages it also refreshes the running jobs' leases and the model card."""
 
-    def __init__(self, client: redis.Redis, key_prefix: str, loop: EngineLoop, redeliveries: Redeliveries) -> None:
+    def __init__(self, client: redis.Redis, key_prefix: str, loop: EngineLoop, redeliveries: Redeliveries,
+                 card: CardPublisher) -> None:
         self.client = client
         self.key_prefix = key_prefix
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(control_channel(key_prefix))
         self.loop = loop
         self.redeliveries = redeliveries
+        self.card = card
         self._leases_refreshed = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="genq-control", daemon=True)
@@ -125,6 +134,7 @@ class ControlListener:
             if time.monotonic() - self._leases_refreshed >= LEASE_S / 3:
                 self._leases_refreshed = time.monotonic()
                 self.redeliveries.refresh_leases(self.loop.lease_holders())
+                self.card.heartbeat()
             try:
                 message = self.pubsub.get_message(timeout=1.0)
             except redis.RedisError:

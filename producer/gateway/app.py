@@ -38,6 +38,7 @@ from producer.gateway.constraints import constraint_problem
 from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
+from producer.gateway.model_limits import OPENAI_NAMES, CardReader
 from producer.gateway.openai_api import (
     ChatChunkChoice,
     ChatCompletion,
@@ -112,8 +113,8 @@ class CancelAccepted(BaseModel):
 
 class Gateway:
     """What the handlers share: the settings, the async client (whose Redis also keeps the seen
-    webhook signatures and the task records) and a connection to the broker's Redis for the
-    queue depth."""
+    webhook signatures, the task records and the workers' model card) and a connection to the
+    broker's Redis for the queue depth."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -122,6 +123,7 @@ class Gateway:
                                       key_prefix=settings.key_prefix, sentinel_master=settings.sentinel_master)
         self.broker = self.client.settings.redis_async(self.client.settings.broker)
         self.records = TaskRecords(self.client, settings.key_prefix, settings.task_record_ttl_s)
+        self.limits = CardReader(self.client.redis, settings.key_prefix, settings.queue, settings.card_refresh_s)
         self.started = int(time.time())
 
     async def close(self) -> None:
@@ -306,6 +308,7 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
         raise ApiError(422, "invalid_request", "callback_url: callbacks are signed with GENQ_WEBHOOK_SECRET, "
                                                "which this gateway does not have", param="callback_url")
     generation = _parse(payload, status=422)
+    await gateway.limits.check(generation, status=422, names={})
     await gateway.admit()
     identifier = generation.identifier or str(uuid.uuid4())
     nonce = await gateway.records.claim(identifier)
@@ -409,6 +412,8 @@ async def _openai(gateway: Gateway, request: Request, body: CompletionRequest | 
         raise ApiError(400, error.code, str(error), param=error.param) from None
     identifier = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     generation = _parse({**fields, "identifier": identifier}, status=400)
+    # Before anything is queued: a streamed request is answered 200 as soon as it is.
+    await gateway.limits.check(generation, status=400, names=OPENAI_NAMES)
     await gateway.admit()
     handle = await gateway.client.submit(generation, identifier=identifier)
     if body.stream:

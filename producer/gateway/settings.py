@@ -26,6 +26,8 @@ class GatewaySettings(ClientSettings):
     stream_idle_timeout_s: float = Field(600.0, gt=0, description="a stream ends after this long without an event")
     keepalive_s: float = Field(15.0, gt=0, description="SSE comment sent when a stream is idle this long")
     result_timeout_s: float = Field(3600.0, gt=0, description="longest wait for a non-streamed OpenAI answer")
+    card_refresh_s: float = Field(5.0, gt=0, description="re-read the workers' model card (the limits requests "
+                                                         "are checked against before queueing) at most this often")
 
     webhook_secret: SecretStr | None = Field(None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="HMAC key of webhook signatures and callbacks")

@@ -1,0 +1,73 @@
+"""The model card: what a worker tells producers about the model it serves, so they can refuse a
+request the worker would refuse before it is queued.
+
+A worker that answers a streamed OpenAI request only after the gateway has sent HTTP 200 can
+report a prompt longer than the context, or a token id outside the vocabulary, only as an error
+event inside the stream. With the card, the gateway (torch-free) checks these limits itself and
+answers 400 before anything is queued; the worker still checks everything, for producers that
+bypass the gateway.
+
+Two Redis keys per queue (one queue per model is the intended deployment, so the queue names
+the model; docs/protocol.md, section 4):
+
+- `{prefix}:card:{queue}`: a hash, one field per worker node (its Celery hostname), each value a
+  `WorkerCard` JSON. Workers of one model may differ (GENQ_CACHE_TOKENS, the device) in the
+  context they can serve, so each worker keeps its own entry and a reader takes the most any
+  live worker allows: a request some worker can take is valid.
+- `{prefix}:tokenizer:{digest}`: the tokenizer as `tokenizers` JSON (Tokenizer.to_str()), named
+  by its SHA-256, so workers of one model share one copy and readers fetch it once per digest.
+
+Each worker rewrites its entry with a fresh `heartbeat_at` every 5 s and refreshes both
+keys' expiry (CARD_TTL_S); readers ignore entries older than CARD_TTL_S, so a worker that died
+stops counting within that time, and a deployment that is gone leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from producer.protocol import IDENTIFIER_PATTERN
+
+CARD_VERSION = 1
+CARD_TTL_S = 60
+"""Entries older than this are ignored, and both keys expire this long after the last heartbeat.
+Generous against clock skew between worker and gateway hosts: a skew beyond it makes entries
+look stale, and the gateway then skips its checks (the worker still makes them)."""
+
+_NAME_RE = re.compile(IDENTIFIER_PATTERN)
+
+
+class WorkerCard(BaseModel):
+    """One worker's entry in `{prefix}:card:{queue}`."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: int = Field(CARD_VERSION, description="the card format; readers skip versions they do not know")
+    model: str = Field(description="the model the worker loaded, as configured (GENQ_MODEL)")
+    vocab_size: Annotated[int, Field(ge=1)] = Field(description="token ids the worker accepts: [0, vocab_size)")
+    max_seq_len: Annotated[int, Field(ge=1)] = Field(
+        description="the longest sequence the worker serves: prompt tokens + max_new_tokens must fit")
+    add_bos: bool = Field(description="whether a `prompt` gets BOS when the request's add_bos is null")
+    bos_correction: Annotated[int, Field(ge=-1, le=1)] = Field(
+        description="tokens the worker's encode adds to (1) or removes from (-1) what the tokenizer JSON's own "
+                    "encode(text, add_special_tokens=True) gives, to apply its add_bos setting")
+    chat_template: bool = Field(description="whether the model has a chat template (`messages` are accepted)")
+    tokenizer_digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the tokenizer JSON")
+    heartbeat_at: float = Field(description="unix time of the worker's last refresh")
+
+
+def card_key(queue: str, prefix: str) -> str | None:
+    """The hash of the cards of the workers serving `queue`; None when the queue or prefix cannot
+    name a Redis key (they must follow the identifier rule): then no card is published or read."""
+    if not (_NAME_RE.fullmatch(queue) and _NAME_RE.fullmatch(prefix)):
+        return None
+    return f"{prefix}:card:{queue}"
+
+
+def tokenizer_key(digest: str, prefix: str) -> str:
+    """The tokenizer JSON whose SHA-256 is `digest` (a card's tokenizer_digest; used only where
+    card_key accepted the prefix)."""
+    return f"{prefix}:tokenizer:{digest}"

@@ -1,0 +1,279 @@
+"""The model card and the gateway's checks before queueing (issue 12): a real worker publishes its
+card, the gateway (a real `genq gateway`, and the app in-process on a queue no worker drains, so
+that what was queued can be counted) refuses what the worker would refuse with a 400 before a
+stream starts, and lets through what the worker decides."""
+
+# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+import redis
+import redis.asyncio
+import tokenizers
+from celery import Celery
+from fastapi.testclient import TestClient
+
+from engine import Tokenizer
+from producer.gateway import GatewaySettings, create_app
+from producer.gateway.model_limits import CardReader, PromptTokenizer
+from producer.model_card import CARD_TTL_S, WorkerCard, card_key, tokenizer_key
+from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
+    MODEL,
+    SECRET,
+    TOKEN,
+    GatewayProcess,
+    bearer,
+    celery_client,
+    read_sse,
+    running_worker,
+    service_env,
+)
+from worker.processes import WorkerProcess
+
+QUEUE = "genq-limits"
+MAX_SEQ_LEN = 256
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory("llama", max_position_embeddings=MAX_SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir: Path, redis_url: str, celery_client: Celery,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """A worker of its own queue: another module's worker leaves no card entry to widen the limits."""
+    with running_worker(model_dir, redis_url, celery_client, tmp_path_factory.mktemp("limits-worker"), QUEUE,
+                        "limits-worker") as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: WorkerProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    env = {**service_env(redis_url), "GENQ_QUEUE": QUEUE, "GENQ_GATEWAY_TOKEN": TOKEN,
+           "GENQ_GATEWAY_MODEL_NAME": MODEL}
+    started = GatewayProcess(env, tmp_path_factory.mktemp("limits-gateway") / "gateway.log").start()
+    try:
+        yield started.url
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def card(worker: WorkerProcess, redis_client: redis.Redis) -> WorkerCard:
+    return WorkerCard.model_validate_json(redis_client.hget(card_key(QUEUE, "genq"), worker.node))
+
+
+def in_process_gateway(redis_url: str, queue: str, **settings: Any) -> TestClient:
+    """The gateway app in this process, in front of `queue`, which no worker consumes."""
+    return TestClient(create_app(GatewaySettings(token=TOKEN, webhook_secret=SECRET, redis_url=redis_url,
+                                                 queue=queue, model_name=MODEL, **settings)))
+
+
+@pytest.fixture
+def idle_gateway(card: WorkerCard, redis_url: str, redis_client: redis.Redis) -> Iterator[tuple[TestClient, str]]:
+    """The in-process gateway on a queue whose model card is the real worker's (copied), so that
+    nothing sent to it is consumed and the queue's length shows what was queued."""
+    queue = f"genq-limits-idle-{uuid.uuid4().hex[:8]}"
+    redis_client.copy(card_key(QUEUE, "genq"), card_key(queue, "genq"))
+    try:
+        with in_process_gateway(redis_url, queue) as client:
+            yield client, queue
+    finally:
+        redis_client.delete(queue, card_key(queue, "genq"))
+
+
+def words(count: int) -> str:
+    return "word " * count
+
+
+def prompt_tokens(tokenizer: Tokenizer, prompt: str) -> int:
+    """What the worker counts for a completions prompt (worker/jobs.py)."""
+    return len(tokenizer.encode(prompt, add_special_tokens=tokenizer.add_bos_token))
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 400, (response.status_code, response.text)
+    assert response.headers["content-type"] == "application/json", "an error, not a stream"
+    return response.json()["error"]
+
+
+# --- the card ------------------------------------------------------------------------------
+
+
+def test_the_worker_publishes_its_model_card(worker: WorkerProcess, card: WorkerCard, model_dir: Path,
+                                             tokenizer: Tokenizer, redis_client: redis.Redis):
+    config = json.loads((model_dir / "config.json").read_text())
+    assert list(redis_client.hkeys(card_key(QUEUE, "genq"))) == [worker.node.encode()]
+    assert card.vocab_size == config["vocab_size"] and card.max_seq_len == config["max_position_embeddings"]
+    assert card.add_bos == tokenizer.add_bos_token and card.chat_template
+    assert time.time() - card.heartbeat_at < CARD_TTL_S
+    tokenizer_json = redis_client.get(tokenizer_key(card.tokenizer_digest, "genq"))
+    assert hashlib.sha256(tokenizer_json).hexdigest() == card.tokenizer_digest
+    assert 0 < redis_client.ttl(card_key(QUEUE, "genq")) <= CARD_TTL_S
+    counter = PromptTokenizer(tokenizers.Tokenizer.from_str(tokenizer_json.decode()), card.add_bos,
+                              card.bos_correction)
+    for text in ("Hello world", "<s>starts with BOS", "  spaces \n\n and lines  ", "ünïcödé 🙂"):
+        assert counter.prompt_tokens(text, None) == prompt_tokens(tokenizer, text), text
+        for add_bos in (True, False):
+            assert counter.prompt_tokens(text, add_bos) == len(tokenizer.encode(text, add_special_tokens=add_bos))
+
+
+# --- refused before anything is queued ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_streamed_prompt_over_the_context_is_a_400_before_anything_is_queued(
+        idle_gateway: tuple[TestClient, str], redis_client: redis.Redis, path: str):
+    client, queue = idle_gateway
+    text = words(2 * MAX_SEQ_LEN)
+    body = {"messages": [{"role": "user", "content": text}]} if path == CHAT else {"prompt": text}
+    response = client.post(path, headers=bearer(), json={"model": MODEL, "stream": True, "max_tokens": 8, **body})
+    error = error_of(response)
+    assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+    assert error["param"] == ("messages" if path == CHAT else "prompt")
+    assert f"maximum context length is {MAX_SEQ_LEN} tokens" in error["message"]
+    too_long = client.post(path, headers=bearer(), json={"model": MODEL, "stream": True, "max_tokens": MAX_SEQ_LEN,
+                                                         **({"messages": [{"role": "user", "content": "hi"}]}
+                                                            if path == CHAT else {"prompt": "hi"})})
+    assert error_of(too_long)["param"] == "max_tokens"
+    assert redis_client.llen(queue) == 0
+
+
+def test_the_prompt_count_is_exact_at_the_limit(idle_gateway: tuple[TestClient, str], redis_client: redis.Redis,
+                                               tokenizer: Tokenizer):
+    client, queue = idle_gateway
+    prompt = words(100)
+    room = MAX_SEQ_LEN - prompt_tokens(tokenizer, prompt)
+    over = client.post("/v1/tasks", headers=bearer(), json={"prompt": prompt, "max_new_tokens": room + 1})
+    assert over.status_code == 422 and over.json()["error"]["code"] == "context_length_exceeded", over.text
+    ids = client.post(COMPLETIONS, headers=bearer(), json={"model": MODEL, "stream": True, "max_tokens": 2,
+                                                           "prompt": list(range(MAX_SEQ_LEN - 1))})
+    assert error_of(ids)["param"] == "prompt"
+    assert redis_client.llen(queue) == 0
+    at_limit = client.post("/v1/tasks", headers=bearer(), json={"prompt": prompt, "max_new_tokens": room})
+    assert at_limit.status_code == 202, at_limit.text
+    assert redis_client.llen(queue) == 1
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field(
+        idle_gateway: tuple[TestClient, str], redis_client: redis.Redis, card: WorkerCard):
+    client, queue = idle_gateway
+    outside = card.vocab_size
+    for path, extra, field in (
+        (CHAT, {"allowed_token_ids": [5, outside]}, "allowed_token_ids"),
+        (COMPLETIONS, {"logit_bias": {str(outside): 5}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": [1, outside]}, "prompt"),
+    ):
+        body = {"model": MODEL, "stream": True, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+                **extra}
+        error = error_of(client.post(path, headers=bearer(), json=body))
+        assert error["code"] == "invalid_request" and error["param"] == field, error
+        assert error["message"] == (f"{field}: token id {outside} is outside the model's vocabulary "
+                                    f"[0, {card.vocab_size})")
+    webhook = client.post("/v1/tasks", headers=bearer(), json={"prompt": "hi", "stop_token_ids": [outside]})
+    assert webhook.status_code == 422 and webhook.json()["error"]["param"] == "stop_token_ids"
+    assert redis_client.llen(queue) == 0
+
+
+def test_without_a_card_nothing_is_checked_and_the_request_is_queued(
+        redis_url: str, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture):
+    queue = f"genq-limits-nocard-{uuid.uuid4().hex[:8]}"
+    caplog.set_level(logging.INFO, logger="producer.gateway.model_limits")
+    try:
+        with in_process_gateway(redis_url, queue, card_refresh_s=0.01) as client:
+            for _ in range(2):
+                time.sleep(0.02)  # each request reads the (absent) card again
+                accepted = client.post("/v1/tasks", headers=bearer(), json={
+                    "prompt": words(2 * MAX_SEQ_LEN), "max_new_tokens": 8, "sampling": {"token_bias": {"99999": 1}}})
+                assert accepted.status_code == 202, accepted.text
+        assert redis_client.llen(queue) == 2
+        assert sum("no model card for queue" in record.getMessage() for record in caplog.records) == 1
+    finally:
+        redis_client.delete(queue)
+
+
+def test_the_limits_are_the_largest_any_live_worker_allows(card: WorkerCard, redis_url: str,
+                                                          redis_client: redis.Redis):
+    queue = f"genq-limits-merge-{uuid.uuid4().hex[:8]}"
+    now = time.time()
+    entries = {"small@host": card.model_copy(update={"max_seq_len": 100, "heartbeat_at": now}),
+               "large@host": card.model_copy(update={"max_seq_len": 300, "vocab_size": 600, "heartbeat_at": now}),
+               "dead@host": card.model_copy(update={"max_seq_len": 9000, "heartbeat_at": now - 2 * CARD_TTL_S})}
+    key = card_key(queue, "genq")
+
+    async def limits() -> Any:
+        client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            return await CardReader(client, "genq", queue, refresh_s=60).current()
+        finally:
+            await client.aclose()
+
+    try:
+        redis_client.hset(key, mapping={node: entry.model_dump_json() for node, entry in entries.items()})
+        merged = anyio.run(limits)
+        assert (merged.max_seq_len, merged.vocab_size, merged.workers) == (300, 600, 2)
+        assert merged.tokenizer is not None
+        other = card.model_copy(update={"tokenizer_digest": "0" * 64, "heartbeat_at": now})
+        redis_client.hset(key, "other@host", other.model_dump_json())
+        assert anyio.run(limits).tokenizer is None  # workers disagree: prompts are not counted
+    finally:
+        redis_client.delete(key)
+
+
+# --- through the real gateway and worker -------------------------------------------------------
+
+
+def test_at_the_limit_the_worker_decides_and_its_count_is_the_gateways(gateway: str, tokenizer: Tokenizer):
+    prompt = words(120)
+    counted = prompt_tokens(tokenizer, prompt)
+    room = MAX_SEQ_LEN - counted
+    assert 0 < room < 32
+    oai = openai.OpenAI(base_url=f"{gateway}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    usage = [chunk.usage for chunk in oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=room, temperature=0, stream=True, stream_options={"include_usage": True})
+        if chunk.usage is not None]
+    assert usage and usage[0].prompt_tokens == counted
+    with httpx.stream("POST", f"{gateway}{COMPLETIONS}", headers=bearer(), timeout=30, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": room + 1, "stream": True}) as response:
+        response.read()
+        assert error_of(response)["code"] == "context_length_exceeded"
+
+
+def test_a_conversation_the_template_pushes_over_the_limit_fails_inside_the_stream(
+        gateway: str, tokenizer: Tokenizer, card: WorkerCard):
+    """What remains unchecked at the gateway: it counts the messages' text, not the template."""
+    messages = [{"role": "user", "content": words(100)}]
+    bound = PromptTokenizer(tokenizer.backend, card.add_bos, card.bos_correction).content_tokens_lower_bound(
+        [m["content"] for m in messages])
+    room = MAX_SEQ_LEN - bound
+    assert len(tokenizer.encode_chat(messages)) > bound and room > 0
+    refused = httpx.post(f"{gateway}{CHAT}", headers=bearer(), timeout=30, json={
+        "model": MODEL, "messages": messages, "max_tokens": room + 1, "stream": True})
+    assert error_of(refused)["code"] == "context_length_exceeded"
+    with httpx.stream("POST", f"{gateway}{CHAT}", headers=bearer(), timeout=60, json={
+            "model": MODEL, "messages": messages, "max_tokens": room, "stream": True}) as response:
+        assert response.status_code == 200
+        errors = [json.loads(m.data)["error"] for m in read_sse(response) if m.data.startswith('{"error"')]
+    assert len(errors) == 1 and errors[0]["code"] == "generation_failed"
+    assert f"exceeds the model's max_seq_len={MAX_SEQ_LEN}" in errors[0]["message"]
