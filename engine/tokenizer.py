@@ -10,7 +10,7 @@ chat templates) without depending on transformers at run time.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -100,6 +100,19 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+@lru_cache(maxsize=4)
+def _token_texts(tokenizer: Tokenizer) -> tuple[str, ...]:
+    """Each token's text decoded alone, special tokens included (byte pieces come out as U+FFFD)."""
+    ids = [[i] for i in range(tokenizer.vocab_size)]
+    return tuple(tokenizer.backend.decode_batch(ids, skip_special_tokens=False))
+
+
+@lru_cache(maxsize=64)
+def _ids_containing(tokenizer: Tokenizer, pieces: tuple[str, ...], special: bool) -> tuple[int, ...]:
+    found = {i for i, text in enumerate(_token_texts(tokenizer)) if any(piece in text for piece in pieces)}
+    return tuple(sorted(found | tokenizer.special_token_ids if special else found))
 
 
 @dataclass(eq=False)
@@ -255,6 +268,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ids; incomplete UTF-8 sequences come out as U+FFFD."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def ids_containing(self, pieces: Iterable[str], special: bool = False) -> tuple[int, ...]:
+        """The token ids whose text, decoded alone, holds one of pieces (with special, every special
+        token too), as exllamav2 finds DRY's sequence breakers and the tokens XTC spares. The first
+        call decodes the vocabulary (about a second for 150k tokens); answers are cached."""
+        return _ids_containing(self, tuple(sorted(set(pieces))), special)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

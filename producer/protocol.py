@@ -24,7 +24,16 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -34,14 +43,20 @@ __all__ = [
     "DEFAULT_KEY_PREFIX",
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_QUEUE",
+    "DRY_DEFAULT_SEQUENCE_BREAKERS",
+    "DRY_MAX_NGRAM",
     "EOS_REASON_TO_FINISH_REASON",
     "IDENTIFIER_PATTERN",
     "MAX_ABS_PENALTY",
+    "MAX_ABS_SKEW",
     "MAX_BANNED_TOKEN_IDS",
     "MAX_CHOICES",
     "MAX_CHOICE_CHARS",
     "MAX_CONSTRAINT_CHARS",
+    "MAX_CONTEXT_SPAN",
     "MAX_DEADLINE",
+    "MAX_DRY_SEQUENCE_BREAKERS",
+    "MAX_DRY_SEQUENCE_BREAKER_CHARS",
     "MAX_IDENTIFIER_CHARS",
     "MAX_INPUT_IDS",
     "MAX_MESSAGES",
@@ -69,6 +84,7 @@ __all__ = [
     "STREAM_FIELD",
     "TASK_NAME",
     "TERMINAL_EVENTS",
+    "XTC_SPARED",
     "ChatMessage",
     "ChoiceConstraint",
     "ControlMessage",
@@ -161,6 +177,17 @@ MAX_CONSTRAINT_CHARS = 65_536
 """Bounds the text of a JSON Schema (as JSON), a regex or a grammar: compiling is per request."""
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
+MAX_ABS_SKEW = 10.0
+MAX_CONTEXT_SPAN = 2**31 - 1
+"""Bound of the token counts repetition_penalty_range, repetition_penalty_decay and dry_range."""
+DRY_MAX_NGRAM = 20
+"""DRY looks for repeated sequences of at most this many tokens (exllamav2's dry_max_ngram)."""
+MAX_DRY_SEQUENCE_BREAKERS = 64
+MAX_DRY_SEQUENCE_BREAKER_CHARS = 32
+DRY_DEFAULT_SEQUENCE_BREAKERS = (".", ",", "!", "?", "<", ">", "[", "]", "(", ")", "{", "}", "\n", "\t", '"')
+"""exllamav2's default: a token whose text holds one of these, or a special token, breaks DRY's sequences."""
+XTC_SPARED = ("\n",)
+"""exllamav2's default: XTC never excludes a token whose text holds one of these, nor a special token."""
 
 _IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
 _TOKEN_ID_KEY_RE = re.compile(r"-?[0-9]{1,19}")
@@ -272,8 +299,11 @@ class ChatMessage(_Input):
 
 class SamplingParams(_Input):
     """How tokens are picked. The default is greedy (temperature 0): a service should be
-    deterministic unless a caller asks for randomness. Order of application: token_bias and
-    banned_token_ids, penalties, then (when sampling) temperature, top_k, top_p, min_p."""
+    deterministic unless a caller asks for randomness. Order of application (exllamav2's):
+    token_bias and banned/allowed ids, penalties (repetition with its range and decay,
+    frequency, presence, DRY), then (when sampling) temperature (unless temperature_last) with
+    smoothing_factor, top_k, top_p, top_a, min_p, tfs, typical, mirostat, temperature_last or
+    dynamic temperature, XTC, skew. docs/protocol.md says what each does."""
 
     temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 = off; keep the k most likely tokens")
@@ -290,6 +320,46 @@ class SamplingParams(_Input):
     banned_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED_TOKEN_IDS)] = Field(default_factory=list)
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED_TOKEN_IDS)] = Field(
         default_factory=list, description="only these tokens may be generated (empty = all)")
+    repetition_penalty_range: int = Field(-1, ge=-1, le=MAX_CONTEXT_SPAN,
+                                          description="-1 = the whole context; else the last N tokens")
+    repetition_penalty_decay: int = Field(0, ge=0, le=MAX_CONTEXT_SPAN,
+                                          description="tokens before the range over which the penalty fades out")
+    dry_multiplier: float = Field(0.0, ge=0.0, description="0 = off; DRY's penalty scale")
+    dry_base: float = Field(1.75, ge=1.0, description="DRY's penalty grows as dry_base ** (match - allowed)")
+    dry_allowed_length: int = Field(2, ge=1, le=DRY_MAX_NGRAM - 1, description="longest repeat not penalised")
+    dry_range: int = Field(0, ge=0, le=MAX_CONTEXT_SPAN, description="0 = the whole context; else the last N")
+    dry_sequence_breakers: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_DRY_SEQUENCE_BREAKER_CHARS)]],
+        Field(max_length=MAX_DRY_SEQUENCE_BREAKERS),
+    ] | None = Field(None, description="a token whose text holds one of these breaks a repeat; "
+                                       "null = exllamav2's default (DRY_DEFAULT_SEQUENCE_BREAKERS)")
+    smoothing_factor: float = Field(0.0, ge=0.0, description="0 = off; quadratic sampling")
+    tfs: float = Field(1.0, gt=0.0, le=1.0, description="1 = off; tail-free sampling")
+    typical: float = Field(1.0, gt=0.0, le=1.0, description="1 = off; locally typical sampling mass")
+    mirostat: bool = Field(False, description="mirostat v2 (temperature > 0)")
+    mirostat_tau: float = Field(1.5, ge=0.0, description="mirostat's target surprise, in bits")
+    mirostat_eta: float = Field(0.1, ge=0.0, description="mirostat's learning rate")
+    temperature_last: bool = Field(False, description="apply temperature after the truncation samplers")
+    min_temp: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="dynamic temperature's low end")
+    max_temp: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE,
+                            description="dynamic temperature is on when max_temp > min_temp")
+    temp_exponent: float = Field(1.0, gt=0.0, description="dynamic temperature's exponent")
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0, description="0 = off; XTC's chance of excluding")
+    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0, description="XTC excludes top choices at least this likely")
+    skew: float = Field(0.0, ge=-MAX_ABS_SKEW, le=MAX_ABS_SKEW, description="0 = off; > 0 favours less likely tokens")
+
+    @field_validator("max_temp")
+    @classmethod
+    def _at_least_min_temp(cls, max_temp: float, info: ValidationInfo) -> float:
+        min_temp = info.data.get("min_temp")
+        if min_temp is not None and max_temp != 0.0 and max_temp < min_temp:
+            raise PydanticCustomError(
+                "temperature_range",
+                "must be >= min_temp ({min_temp}) (dynamic temperature is on when max_temp > min_temp; "
+                "0 = off), got {max_temp}",
+                {"min_temp": min_temp, "max_temp": max_temp},
+            )
+        return max_temp
 
     @field_validator("token_bias", mode="before")
     @classmethod

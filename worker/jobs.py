@@ -6,6 +6,8 @@ from __future__ import annotations
 from engine import Constraint, Job, SamplerSettings, Tokenizer
 from engine.constraints import compiled_grammar
 from producer.protocol import (
+    DRY_DEFAULT_SEQUENCE_BREAKERS,
+    XTC_SPARED,
     ChoiceConstraint,
     GenerationRequest,
     GrammarConstraint,
@@ -14,6 +16,14 @@ from producer.protocol import (
     OutputConstraint,
     ProtocolError,
     RegexConstraint,
+    SamplingParams,
+)
+
+# Sampling settings with the same name and meaning on the wire and in the engine.
+SAME_NAMED = (
+    "repetition_penalty_range", "repetition_penalty_decay", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_range", "smoothing_factor", "tfs", "typical", "mirostat", "mirostat_tau", "mirostat_eta",
+    "temperature_last", "min_temp", "max_temp", "temp_exponent", "xtc_probability", "xtc_threshold", "skew",
 )
 
 
@@ -63,6 +73,9 @@ def build_job(
         token_bias=dict(sampling.token_bias),
         banned_token_ids=tuple(sampling.banned_token_ids),
         allowed_token_ids=tuple(sampling.allowed_token_ids),
+        dry_sequence_breakers=dry_sequence_breakers(sampling, tokenizer, vocab_size),
+        xtc_ignore_tokens=xtc_spared_tokens(sampling, tokenizer, vocab_size),
+        **{name: getattr(sampling, name) for name in SAME_NAMED},
     )
     return Job(
         input_ids,
@@ -79,6 +92,25 @@ def build_job(
         # The queue's priority orders admission in the engine too (0 = most urgent; none = 0, as on the broker).
         priority=request.priority or 0,
     )
+
+
+def dry_sequence_breakers(sampling: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
+    """The engine takes DRY's sequence breakers as token ids; the wire, as strings: every token
+    whose text holds one of them breaks a sequence (null: exllamav2's default strings, and the
+    special tokens, as exllamav2 derives its default set)."""
+    if sampling.dry_multiplier == 0.0:
+        return ()
+    given = sampling.dry_sequence_breakers
+    ids = tokenizer.ids_containing(DRY_DEFAULT_SEQUENCE_BREAKERS if given is None else given, special=given is None)
+    return tuple(t for t in ids if t < vocab_size)
+
+
+def xtc_spared_tokens(sampling: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
+    """The tokens XTC never excludes, exllamav2's default: newlines and special tokens (EOS among
+    them, so XTC does not stop a text from ending)."""
+    if sampling.xtc_probability == 0.0:
+        return ()
+    return tuple(t for t in tokenizer.ids_containing(XTC_SPARED, special=True) if t < vocab_size)
 
 
 def engine_constraint(wire: OutputConstraint) -> Constraint:

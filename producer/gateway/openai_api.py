@@ -7,7 +7,11 @@ limits are the protocol's. Structured output: chat's response_format (json_objec
 and vLLM's guided_json / guided_regex / guided_choice / guided_grammar on both endpoints become
 the request's constraint. Log-probabilities in OpenAI's shapes: chat's logprobs + top_logprobs,
 completions' logprobs (an int: that many alternatives). Extensions, as in vLLM: top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, allowed_token_ids.
+repetition_penalty, min_tokens, ignore_eos, allowed_token_ids; and where vLLM has none, exllamav2's
+samplers under TabbyAPI's names: top_a, typical (or typical_p), tfs, skew, smoothing_factor,
+min_temp, max_temp, temp_exponent, temperature_last, mirostat_mode (0 or 2), mirostat_tau,
+mirostat_eta, dry_multiplier, dry_base, dry_allowed_length, dry_range, dry_sequence_breakers,
+xtc_probability, xtc_threshold, penalty_range (or repetition_penalty_range), repetition_decay.
 
 finish_reason: the protocol's "stop" and "length" are OpenAI's; "deadline" and "cancelled" are
 reported as "length", since the text was cut short by a limit rather than ended by the model.
@@ -20,7 +24,15 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, model_serializer
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from producer.protocol import DEFAULT_MAX_NEW_TOKENS, GenerationResult, TokenLogprob, Usage
 
@@ -30,6 +42,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "length"}
 
 OpenAIFinishReason = Literal["stop", "length"]
+SAME_NAMED_SAMPLERS = (
+    "top_a", "typical", "tfs", "skew", "smoothing_factor", "min_temp", "max_temp", "temp_exponent",
+    "temperature_last", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_range", "xtc_probability", "xtc_threshold",
+)
+"""The extensions whose TabbyAPI name is the protocol's sampling field."""
 
 
 class UnsupportedParameter(ValueError):
@@ -77,6 +95,32 @@ class _CommonParams(_Lenient):
     min_tokens: int | None = Field(None, description="genq extension (vLLM's): stop tokens blocked until reached")
     ignore_eos: bool | None = Field(None, description="genq extension (vLLM's)")
     allowed_token_ids: list[int] | None = Field(None, description="genq extension (vLLM's): only these tokens")
+    top_a: float | None = Field(None, description="genq extension (TabbyAPI's)")
+    typical: float | None = Field(None, validation_alias=AliasChoices("typical", "typical_p"),
+                                  description="genq extension (TabbyAPI's): locally typical sampling")
+    tfs: float | None = Field(None, description="genq extension (TabbyAPI's): tail-free sampling")
+    skew: float | None = Field(None, description="genq extension (TabbyAPI's)")
+    smoothing_factor: float | None = Field(None, description="genq extension (TabbyAPI's): quadratic sampling")
+    min_temp: float | None = Field(None, description="genq extension (TabbyAPI's): dynamic temperature")
+    max_temp: float | None = Field(None, description="genq extension (TabbyAPI's): dynamic temperature")
+    temp_exponent: float | None = Field(None, description="genq extension (TabbyAPI's): dynamic temperature")
+    temperature_last: bool | None = Field(None, description="genq extension (TabbyAPI's)")
+    mirostat_mode: int | None = Field(None, description="genq extension (TabbyAPI's): 0 = off, 2 = mirostat v2")
+    mirostat_tau: float | None = Field(None, description="genq extension (TabbyAPI's)")
+    mirostat_eta: float | None = Field(None, description="genq extension (TabbyAPI's)")
+    dry_multiplier: float | None = Field(None, description="genq extension (TabbyAPI's): DRY, 0 = off")
+    dry_base: float | None = Field(None, description="genq extension (TabbyAPI's)")
+    dry_allowed_length: int | None = Field(None, description="genq extension (TabbyAPI's)")
+    dry_range: int | None = Field(None, description="genq extension (TabbyAPI's): 0 = the whole context")
+    dry_sequence_breakers: list[str] | str | None = Field(
+        None, description='genq extension (TabbyAPI\'s): strings, or JSON strings in a string: "\\n", ":"')
+    xtc_probability: float | None = Field(None, description="genq extension (TabbyAPI's): XTC, 0 = off")
+    xtc_threshold: float | None = Field(None, description="genq extension (TabbyAPI's)")
+    penalty_range: int | None = Field(
+        None, validation_alias=AliasChoices("penalty_range", "repetition_penalty_range"),
+        description="genq extension (TabbyAPI's): repetition_penalty over the last N tokens, -1 = all")
+    repetition_decay: int | None = Field(None, description="genq extension (TabbyAPI's): the penalty fades out "
+                                                           "over this many tokens before the range")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension: a JSON Schema")
     guided_regex: str | None = Field(None, description="vLLM extension")
     guided_choice: list[str] | None = Field(None, description="vLLM extension")
@@ -113,13 +157,31 @@ class _CommonParams(_Lenient):
             raise InvalidParameter(next(iter(asked)), f"one output constraint per request, got {', '.join(asked)}")
         return next(iter(asked.values()), None)
 
+    def _exl2_sampling(self) -> dict[str, Any]:
+        """The protocol's sampling fields for the TabbyAPI-named extensions given."""
+        sampling = {name: getattr(self, name) for name in SAME_NAMED_SAMPLERS}
+        sampling["repetition_penalty_range"] = self.penalty_range
+        sampling["repetition_penalty_decay"] = self.repetition_decay
+        if self.mirostat_mode is not None:
+            if self.mirostat_mode not in (0, 2):
+                raise InvalidParameter("mirostat_mode", f"0 (off) or 2 (mirostat v2), got {self.mirostat_mode}")
+            sampling["mirostat"] = self.mirostat_mode == 2
+        breakers = self.dry_sequence_breakers
+        if isinstance(breakers, str):  # TabbyAPI's (SillyTavern's): JSON strings in a string, brackets optional
+            try:
+                breakers = json.loads(breakers if breakers.lstrip().startswith("[") else f"[{breakers}]")
+            except json.JSONDecodeError as error:
+                raise InvalidParameter("dry_sequence_breakers", f"not a JSON array of strings ({error})") from None
+        sampling["dry_sequence_breakers"] = breakers
+        return sampling
+
     def _request_fields(self, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
         sampling = {
             "temperature": OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             "top_p": self.top_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "token_bias": self.logit_bias, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "allowed_token_ids": self.allowed_token_ids,
+            "allowed_token_ids": self.allowed_token_ids, **self._exl2_sampling(),
         }
         fields: dict[str, Any] = {
             "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
