@@ -72,6 +72,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
     "MAX_STOP_TOKEN_IDS",
+    "MAX_BANNED_STRINGS",
     "MAX_TEMPERATURE",
     "MAX_TIMEOUT_S",
     "MAX_TOKEN_BIAS",
@@ -149,6 +150,7 @@ MAX_NEW_TOKENS = 32_768
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_BANNED_STRINGS = 64
 MAX_TOKEN_BIAS = 300
 """Entries in `sampling.token_bias` (OpenAI's logit_bias allows 300 too)."""
 MAX_TOKEN_BIAS_VALUE = 100.0
@@ -468,6 +470,10 @@ class GenerationRequest(_Input):
     logprobs: bool = Field(False, description="each generated token's log-probability, in chunks and the result")
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="that many alternatives per token "
                                                                        "(implies logprobs)")
+    banned_strings: Annotated[list[StopString], Field(max_length=MAX_BANNED_STRINGS)] = Field(
+        default_factory=list, description="text the output never contains (the engine rewinds; exllamav2's)")
+    token_healing: bool = Field(False, description="regenerate the prompt's last token among those beginning "
+                                                   "with its text (exllamav2's)")
 
     @field_validator("messages")
     @classmethod

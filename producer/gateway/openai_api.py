@@ -11,7 +11,8 @@ repetition_penalty, min_tokens, ignore_eos, allowed_token_ids; and where vLLM ha
 samplers under TabbyAPI's names: top_a, typical (or typical_p), tfs, skew, smoothing_factor,
 min_temp, max_temp, temp_exponent, temperature_last, mirostat_mode (0 or 2), mirostat_tau,
 mirostat_eta, dry_multiplier, dry_base, dry_allowed_length, dry_range, dry_sequence_breakers,
-xtc_probability, xtc_threshold, penalty_range (or repetition_penalty_range), repetition_decay.
+xtc_probability, xtc_threshold, penalty_range (or repetition_penalty_range), repetition_decay,
+banned_strings, token_healing.
 
 finish_reason: the protocol's "stop" and "length" are OpenAI's; "deadline" and "cancelled" are
 reported as "length", since the text was cut short by a limit rather than ended by the model.
@@ -121,6 +122,10 @@ class _CommonParams(_Lenient):
         description="genq extension (TabbyAPI's): repetition_penalty over the last N tokens, -1 = all")
     repetition_decay: int | None = Field(None, description="genq extension (TabbyAPI's): the penalty fades out "
                                                            "over this many tokens before the range")
+    banned_strings: list[str] | str | None = Field(None, description="genq extension (TabbyAPI's): text the "
+                                                                     "output never contains")
+    token_healing: bool | None = Field(None, description="genq extension (TabbyAPI's): regenerate the prompt's "
+                                                         "last token")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension: a JSON Schema")
     guided_regex: str | None = Field(None, description="vLLM extension")
     guided_choice: list[str] | None = Field(None, description="vLLM extension")
@@ -192,6 +197,11 @@ class _CommonParams(_Lenient):
             fields["min_new_tokens"] = self.min_tokens
         if self.ignore_eos is not None:
             fields["ignore_eos"] = self.ignore_eos
+        if self.banned_strings is not None:
+            banned = self.banned_strings
+            fields["banned_strings"] = [banned] if isinstance(banned, str) else banned
+        if self.token_healing is not None:
+            fields["token_healing"] = self.token_healing
         return fields
 
     @property

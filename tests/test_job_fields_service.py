@@ -1,0 +1,64 @@
+"""banned_strings and token_healing through the service: the wire protocol, a real worker, the gateway."""
+# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+from celery import Celery
+
+from producer.protocol import TASK_NAME, GenerationRequest, GenerationResult, ProtocolError
+from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
+    MODEL,
+    QUEUE,
+    bearer,
+    celery_client,
+    gateway,
+    gateway_process,
+    model_dir,
+    oai,
+    worker,
+)
+from worker.processes import WorkerProcess
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"banned_strings": [""]}, "banned_strings[0]: String should have at least 1 character"),
+    ({"banned_strings": ["x"] * 65}, "banned_strings: at most 64 items allowed, got 65"),
+    ({"token_healing": "yes"}, "token_healing: Input should be a valid boolean"),
+])
+def test_the_new_job_fields_are_validated_naming_them(fields: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ProtocolError) as error:
+        GenerationRequest.parse_payload({"prompt": "hi", **fields})
+    assert expected in str(error.value)
+
+
+def test_a_real_worker_never_produces_a_banned_string_and_heals_the_prompt(worker: WorkerProcess,
+                                                                           celery_client: Celery) -> None:
+    def send(identifier: str, **request: Any) -> GenerationResult:
+        handle = celery_client.send_task(TASK_NAME, queue=QUEUE, kwargs={
+            "prompt": "the cat sat on the mat and then", "max_new_tokens": 24, "ignore_eos": True,
+            "identifier": identifier, **request})
+        return GenerationResult.from_dict(handle.get(timeout=120))
+
+    free = send("banned-free")
+    visible = free.text.strip()
+    assert len(visible) > 12, free.text
+    banned = visible[len(visible) // 3 : len(visible) // 3 + 5]
+    kept = send("banned-kept", banned_strings=[banned])
+    assert banned not in kept.text and kept.usage.completion_tokens == 24
+    healed = send("healed", token_healing=True)
+    assert healed.usage.prompt_tokens == free.usage.prompt_tokens - 1
+
+
+def test_the_gateway_takes_them_under_tabbyapi_s_names(oai: openai.OpenAI) -> None:
+    free = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    text = free.choices[0].text.strip()
+    banned = text[len(text) // 3 : len(text) // 3 + 4]
+    kept = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True, "banned_strings": banned, "token_healing": True})
+    assert banned not in kept.choices[0].text
+    assert kept.usage.prompt_tokens == free.usage.prompt_tokens - 1
