@@ -12,9 +12,10 @@ triton is imported only when the Triton path is first taken, so this package
 imports (and the CPU path works) without triton installed; taking the Triton
 path without it fails loudly. This package imports nothing else of ours.
 
-The KV cache may be stored quantized (fp8, q8, q4; kernels/kv_quant.py):
-kv_cache_format says what a format stores, the cache tensor's dtype selects
-it, and write_kv / paged_attention then take the cache's scales too.
+The KV cache may be stored quantized (fp8, q8, q4, or k8v4: q8 keys and q4
+values; kernels/kv_quant.py): kv_cache_format says what a cache dtype stores
+for K and for V, each cache tensor's dtype selects its own format, and
+write_kv / paged_attention then take the caches' scales too.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from types import ModuleType
 import torch
 
 from kernels import reference
-from kernels.kv_quant import KV_CACHE_DTYPES, KVFormat, kv_cache_format
+from kernels.kv_quant import KV_CACHE_DTYPES, KVCacheFormat, KVFormat, kv_cache_format
 
 __all__ = [
     "KV_CACHE_DTYPES",
+    "KVCacheFormat",
     "KVFormat",
     "apply_rope",
     "gelu_tanh_and_mul",

@@ -8,39 +8,55 @@ vector is quantized on its own when written, so a write touches only its slot
 (pages shared by prefix dedup are never rewritten), and paged attention
 dequantizes only the pages it reads.
 
-The format is decided by the cache tensor's dtype; the cache keeps the layout
-[num_kv_heads, num_pages, page_size, X] and a quantized one has a float16
-scales tensor [num_kv_heads, num_pages, page_size, groups] beside it:
+Each cache's format is decided by its tensor's dtype, K's and V's separately
+(kv_cache_format maps a cache dtype name to the pair); a cache keeps the
+layout [num_kv_heads, num_pages, page_size, X] and a quantized one has a
+float16 scales tensor [num_kv_heads, num_pages, page_size, groups] beside it:
 
 - floating ("auto"): the model's dtype, X = head_dim, no scales.
-- torch.float8_e4m3fn ("fp8"): X = head_dim, one scale per vector
-  (amax / 448), so the 3-bit mantissa's relative error (2^-4) applies to
-  every vector whatever its magnitude.
+- torch.float8_e4m3fn ("fp8"): X = head_dim, one scale per group of 32
+  values along head_dim (amax / 448), groups Hadamard-rotated (below).
 - torch.int8 ("q8"): symmetric int8, X = head_dim, one scale per group of
-  32 values along head_dim (amax / 127).
+  32 values along head_dim (amax / 127), not rotated.
 - torch.uint8 ("q4"): symmetric 4-bit in [-7, 7] stored as value + 8, two per
   byte (element 2j in the low nibble of byte j, 2j + 1 in the high one),
-  X = head_dim / 2, one scale per group of 32 (amax / 7).
+  X = head_dim / 2, one scale per group of 32 (amax / 7), groups rotated.
+- "k8v4": K as q8, V as q4 (a cache dtype name only: the K cache is int8,
+  the V cache uint8). Keys are what 4 bits break, values take them well.
 
-q4 also rotates each group of K and V by a normalized Hadamard transform
-before quantizing (as exllamav2's Q4 cache does). Real keys have a few
-outlier channels; in a group holding one, the scale is set by the outlier and
-the other 31 values quantize to almost nothing. The rotation spreads the
-outlier over the whole group, so the group's max is close to its RMS. It is
-orthonormal and symmetric (its own inverse): attention rotates q instead of
-dequantized keys (q.k = Hq.Hk) and rotates its output back (V's rotation
-passes through the softmax-weighted sum), so callers never see it.
+A head_dim under 32 is one group. fp8 and q4 rotate each group of K and V by
+a normalized Hadamard transform before quantizing (as exllamav2's Q4 cache
+does), so they need power-of-two groups: head_dim a multiple of 32 or a power
+of two; q8 needs a multiple of 32 (or at most 32); "auto" takes any. Real
+keys have a few outlier channels; in a group holding one, the scale is set by
+the outlier and the other 31 values quantize to almost nothing (q4), or the
+outliers' own relative error dominates q.k with nothing to average it out
+(fp8). The rotation spreads the outlier over the whole group, so the group's
+max is close to its RMS and every value's error is a similar small share of
+it. It is orthonormal and symmetric (its own inverse): attention rotates q
+when K is rotated (q.k = Hq.Hk) and rotates its output back when V is (V's
+rotation passes through the softmax-weighted sum), so callers never see it.
 
-Measured (tests/test_kv_quant_kernels.py's realistic data: K with 4 of 128
-channels at 8-15x the others on a per-channel offset, Laplace V, unit q;
-head_dim 128, decode, verify and prefill rows, no window or soft-cap; mean
-over 10 seeds), the mean
-relative error of the attention output against a full-precision cache is:
-fp8 0.039, q8 0.019, q4 0.158 with the rotation and 0.311 without it.
-Rotating V as well as K helps less but measurably (dense attention over 300
-tokens: K rotated only 0.207, K and V 0.194), so both are rotated. q8 and
-fp8 are not: fp8's error is relative to each value, not to a group max, so
-outliers do not hurt it, and q8 is already within 2%.
+Measured on a real model (SmolLM2-135M, head_dim 64, 768 tokens of
+bench/data/prose.txt through engine.perplexity; full-precision cache:
+perplexity 20.146), as perplexity / mean KL divergence of the next-token
+distribution from the full-precision cache's:
+
+    fp8   20.156 / 0.0154   (per-vector scale, unrotated: 20.597 / 0.0219;
+                             groups of 32, unrotated: 20.748 / 0.0194)
+    q8    20.231 / 0.0015
+    q4    24.360 / 0.2174   (K only at q4: 21.315 / 0.1664; V only: 20.681 / 0.0388)
+    k8v4  20.709 / 0.0365   (fp8 keys instead: 20.190 / 0.047)
+
+Perplexity on one text moves by +-0.5% for reasons unrelated to the error
+(some quantized caches score below the full-precision one); the KL divergence
+is the steadier figure. On tests/test_kv_quant_kernels.py's synthetic data
+(K with 4 of 128 channels at 8-15x the others on a per-channel offset,
+Laplace V, unit q; head_dim 128, decode, verify and prefill rows, no window
+or soft-cap; mean over 10 seeds) the mean relative error of the attention
+output against a full-precision cache is fp8 0.047, q8 0.018, q4 0.158 (0.311
+unrotated), k8v4 0.097; there fp8's rotation costs (0.031 unrotated), which
+the real model's keys contradict, so the real model decided.
 
 Scales are clamped to [2^-14, 65504] (float16's normal range): a zero vector
 gets the smallest scale and quantizes to zeros, never 0/0 (vectors whose
@@ -57,9 +73,12 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "q8", "q4")
+KV_CACHE_DTYPES = ("auto", "fp8", "q8", "q4", "k8v4")
 
-#: Values per scale for q8 / q4 (the whole head vector when head_dim is smaller).
+#: cache_dtype -> (K format, V format), for the names whose K and V are stored differently
+_SPLIT_DTYPES = {"k8v4": ("q8", "q4")}
+
+#: Values per scale (the whole head vector when head_dim is smaller).
 GROUP_SIZE = 32
 FP8_MAX = 448.0
 Q8_MAX = 127.0
@@ -97,8 +116,8 @@ class KVFormat:
 
     @property
     def rotated(self) -> bool:
-        """Whether K/V are stored Hadamard-rotated within each group (q4)."""
-        return self.name == "q4"
+        """Whether vectors are stored Hadamard-rotated within each group (fp8, q4)."""
+        return self.name in ("fp8", "q4")
 
     @property
     def qmax(self) -> float:
@@ -111,36 +130,62 @@ class KVFormat:
         return self.data_dim * self.data_dtype.itemsize + self.scale_groups * SCALE_DTYPE.itemsize
 
 
-def kv_cache_format(cache_dtype: str, head_dim: int, model_dtype: torch.dtype) -> KVFormat:
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """A cache dtype's storage: K and V each have their own KVFormat (the same
+    one except for split formats such as "k8v4")."""
+
+    name: str
+    k: KVFormat
+    v: KVFormat
+
+    @property
+    def bytes_per_head_token(self) -> int:
+        """Bytes one token takes in one KV head, K and V together, scales included."""
+        return self.k.bytes_per_head_vector + self.v.bytes_per_head_vector
+
+
+def kv_cache_format(cache_dtype: str, head_dim: int, model_dtype: torch.dtype) -> KVCacheFormat:
     """The storage of cache_dtype (one of KV_CACHE_DTYPES) for heads of head_dim
     values; "auto" stores model_dtype. ValueError for an unknown name or a
     head_dim the format cannot split into its groups."""
     if cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {cache_dtype!r}")
+    k_name, v_name = _SPLIT_DTYPES.get(cache_dtype, (cache_dtype, cache_dtype))
+    k = vector_format(k_name, head_dim, model_dtype, cache_dtype)
+    v = k if v_name == k_name else vector_format(v_name, head_dim, model_dtype, cache_dtype)
+    return KVCacheFormat(cache_dtype, k, v)
+
+
+def vector_format(name: str, head_dim: int, model_dtype: torch.dtype, cache_dtype: str | None = None) -> KVFormat:
+    """The KVFormat of one of "auto", "fp8", "q8", "q4" (part of cache_dtype,
+    which error messages name) for heads of head_dim values."""
+    cache_dtype = cache_dtype or name
     if head_dim <= 0:
         raise ValueError(f"head_dim must be positive, got {head_dim}")
-    if cache_dtype == "auto":
+    if name == "auto":
         if model_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"cache_dtype 'auto' stores the model's dtype, which must be float32, float16 or bfloat16, "
                 f"not {model_dtype}"
             )
         return KVFormat("auto", model_dtype, head_dim, head_dim, 0)
-    if cache_dtype == "fp8":
-        return KVFormat("fp8", torch.float8_e4m3fn, head_dim, head_dim, 1)
     group = min(GROUP_SIZE, head_dim)
-    if head_dim % group:
-        raise ValueError(
-            f"cache_dtype {cache_dtype!r} needs head_dim to be a multiple of {GROUP_SIZE} (or at most "
-            f"{GROUP_SIZE}), got {head_dim}; use 'fp8' or 'auto'"
-        )
-    if cache_dtype == "q8":
+    if name == "q8":
+        if head_dim % group:
+            raise ValueError(
+                f"cache_dtype {cache_dtype!r} needs head_dim to be a multiple of {GROUP_SIZE} (or at most "
+                f"{GROUP_SIZE}), got {head_dim}; use 'auto'"
+            )
         return KVFormat("q8", torch.int8, head_dim, head_dim, head_dim // group)
-    if group & (group - 1) or group < 2:
+    if head_dim % group or group & (group - 1) or group < 2:
         raise ValueError(
-            f"cache_dtype 'q4' needs head_dim to be a multiple of {GROUP_SIZE} or a power of two (its "
-            f"Hadamard rotation works on power-of-two groups), got {head_dim}; use 'q8', 'fp8' or 'auto'"
+            f"cache_dtype {cache_dtype!r} needs head_dim to be a multiple of {GROUP_SIZE} or a power of two (its "
+            f"Hadamard rotation works on power-of-two groups), got {head_dim}; use 'auto'"
+            + (" or 'q8'" if head_dim <= GROUP_SIZE else "")
         )
+    if name == "fp8":
+        return KVFormat("fp8", torch.float8_e4m3fn, head_dim, head_dim, head_dim // group)
     return KVFormat("q4", torch.uint8, head_dim, head_dim // 2, head_dim // group)
 
 
@@ -164,29 +209,29 @@ def format_of(cache: torch.Tensor, scales: torch.Tensor | None, what: str = "cac
             f"{tuple(scales.shape)}"
         )
     head_dim = cache.shape[-1] * (2 if name == "q4" else 1)
-    fmt = kv_cache_format(name, head_dim, torch.float32)
+    fmt = vector_format(name, head_dim, torch.float32)
     if scales.shape[-1] != fmt.scale_groups:
         raise ValueError(f"{what} scales for {name} with head_dim {head_dim} need {fmt.scale_groups} groups, "
                          f"got {scales.shape[-1]}")
     return fmt
 
 
-def paged_format(
+def paged_formats(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k_scales: torch.Tensor | None,
     v_scales: torch.Tensor | None,
     head_dim: int,
-) -> KVFormat:
-    """The one format a layer's K and V caches share, checked against their
-    scales and the head_dim of the K/V or q given with them."""
-    fmt = format_of(k_cache, k_scales, "k_cache")
-    if format_of(v_cache, v_scales, "v_cache") != fmt:
-        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share one format")
-    if fmt.head_dim != head_dim:
-        raise ValueError(f"the {fmt.name} cache holds head_dim {fmt.head_dim} (last dim {fmt.data_dim}), "
-                         f"not the {head_dim} of the tensors given")
-    return fmt
+) -> tuple[KVFormat, KVFormat]:
+    """The formats of a layer's K and V caches (each by its own dtype; they may
+    differ, as in "k8v4"), checked against their scales and the head_dim of the
+    K/V or q given with them."""
+    formats = (format_of(k_cache, k_scales, "k_cache"), format_of(v_cache, v_scales, "v_cache"))
+    for what, fmt in zip(("k_cache", "v_cache"), formats):
+        if fmt.head_dim != head_dim:
+            raise ValueError(f"the {fmt.name} {what} holds head_dim {fmt.head_dim} (last dim {fmt.data_dim}), "
+                             f"not the {head_dim} of the tensors given")
+    return formats
 
 
 def rotate(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
@@ -228,7 +273,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
 
 def dequantize_into(out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """Write data * scales into out ([..., head_dim] fp32) and return it: the
-    values as stored (still rotated for q4). Only fp32 arithmetic, so the
+    values as stored (still rotated for fp8 and q4). Only fp32 arithmetic, so the
     Triton kernels, which dequantize in fp32 too, match it exactly."""
     if fmt.name == "q4":
         pairs = out.view(*out.shape[:-1], fmt.data_dim, 2)
@@ -244,6 +289,6 @@ def dequantize_into(out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
 
 def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """data [..., data_dim] and scales -> the values [..., head_dim] in fp32
-    (rotated back for q4): what attention over this cache sees."""
+    (rotated back for fp8 and q4): what attention over this cache sees."""
     out = torch.empty(*data.shape[:-1], fmt.head_dim, dtype=torch.float32, device=data.device)
     return rotate(dequantize_into(out, data, scales, fmt), fmt)

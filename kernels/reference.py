@@ -19,7 +19,8 @@ position context_lens[b] - q_len[b] + i and attends causally to positions
 Soft-capping (Gemma 2): with a cap c, scaled scores s become c * tanh(s / c)
 before the mask and the softmax.
 
-Quantized caches (kernels/kv_quant.py; the cache's dtype picks the format):
+Quantized caches (kernels/kv_quant.py; each cache's dtype picks its format, K's
+and V's separately):
 write_kv quantizes each (head, token) vector into its slot and its scales;
 paged_attention dequantizes only the pages it gathers, into a per-call
 workspace, and never the whole cache.
@@ -34,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import KVFormat, dequantize_into, paged_format, quantize, rotate
+from kernels.kv_quant import KVFormat, dequantize_into, paged_formats, quantize, rotate
 
 
 def rms_norm(
@@ -95,11 +96,12 @@ def write_kv(
     v_scales: torch.Tensor | None = None,
 ) -> None:
     """Store this step's K/V [T, Hkv, D] into their cache slots; a quantized
-    cache (fp8 / q8 / q4, by its dtype) also gets each vector's scales in
-    k_scales / v_scales [Hkv, pages, page_size, groups], which it requires."""
+    cache (fp8 / q8 / q4, by its dtype; K and V may differ, as in k8v4) also
+    gets each vector's scales in k_scales / v_scales [Hkv, pages, page_size,
+    groups], which it requires."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, head_dim)
-    for new, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+    formats = paged_formats(k_cache, v_cache, k_scales, v_scales, head_dim)
+    for new, cache, scales, fmt in zip((k, v), (k_cache, v_cache), (k_scales, v_scales), formats):
         if scales is None or not fmt.quantized:
             cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
             continue
@@ -127,17 +129,18 @@ def paged_attention(
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D].
-    A quantized cache needs its scales (see write_kv); q4's rotation is applied
-    to q and undone on the output here.
+    A quantized cache needs its scales (see write_kv); a rotated K format's
+    (fp8, q4) rotation is applied to q, a rotated V format's undone on the
+    output, here.
 
     Rows with few query tokens (decodes, and speculative verify rows of
     1 + drafts) are grouped by query length and context length, so padding
     to the longest row in a group wastes at most ~30%, and each group runs as
     one padded batch; longer (prefill chunk) rows run one sequence at a time.
     """
-    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
-    q = rotate(q, fmt)
-    kv = _PagedKV(k_cache, v_cache, k_scales, v_scales, fmt)
+    k_fmt, v_fmt = paged_formats(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
+    q = rotate(q, k_fmt)
+    kv = _PagedKV(k_cache, v_cache, k_scales, v_scales, k_fmt, v_fmt)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
@@ -162,7 +165,7 @@ def paged_attention(
                 q[token_idx].view(len(group), q_len, *q.shape[1:]), kv, page_table[index], [ctx[b] for b in group],
                 scale, sliding_window, softcap,
             ).reshape(-1, *q.shape[1:])
-    return rotate(out, fmt)
+    return rotate(out, v_fmt)
 
 
 def _length_groups(rows: list[int], ctx: list[int], page_size: int, min_fill: float = 0.7) -> list[list[int]]:
@@ -205,20 +208,22 @@ class _PagedKV(NamedTuple):
     v_cache: torch.Tensor
     k_scales: torch.Tensor | None
     v_scales: torch.Tensor | None
-    fmt: KVFormat
+    k_fmt: KVFormat
+    v_fmt: KVFormat
 
     def gather(self, which: int, pages: torch.Tensor, head_dim: int) -> torch.Tensor:
         """The listed pages of K (which=0) or V (1), [Hkv, len(pages), page_size, head_dim],
-        in the cache's dtype, or dequantized to fp32 (q4: still rotated) for a quantized cache."""
+        in the cache's dtype, or dequantized to fp32 (fp8 / q4: still rotated) for a quantized cache."""
         cache = (self.k_cache, self.v_cache)[which]
         num_kv_heads, page_size = cache.shape[0], cache.shape[2]
         shape = (num_kv_heads, pages.numel(), page_size, cache.shape[3])
         data = torch.index_select(cache, 1, pages, out=_gather_buffer(which, shape, cache.dtype, cache.device))
         scales = (self.k_scales, self.v_scales)[which]
-        if scales is None or not self.fmt.quantized:
+        fmt = (self.k_fmt, self.v_fmt)[which]
+        if scales is None or not fmt.quantized:
             return data
         values = _gather_buffer(2 + which, (*shape[:-1], head_dim), torch.float32, cache.device)
-        return dequantize_into(values, data, torch.index_select(scales, 1, pages), self.fmt)
+        return dequantize_into(values, data, torch.index_select(scales, 1, pages), fmt)
 
 
 def _attend(

@@ -32,10 +32,13 @@ Design (after vLLM's unified Triton attention and flash-decoding):
 - Quantized caches (kernels/kv_quant.py): `_write_kv_quant_kernel` quantizes
   each (token, head) vector into its slot and scales, bit-identical to the
   torch reference; `_quantized_paged_attention_kernel` is the attention kernel
-  with each K/V tile dequantized (fp32) right after its load. The
-  full-precision `_paged_attention_kernel` is that kernel with no scales (and
-  keeps its own signature). q4's Hadamard rotation is applied to q and the
-  output around the kernel (kv_quant.rotate), as the reference does.
+  with each K/V tile dequantized (fp32) right after its load. K and V each
+  have their own format (constexprs K_FORMAT / V_FORMAT: "k8v4" is q8 keys
+  and q4 values). The full-precision `_paged_attention_kernel` is that kernel
+  with no scales (and keeps its own signature). The Hadamard rotation of
+  fp8 and q4 is applied around the kernels (kv_quant.rotate), as the
+  reference does: to K / V before the write kernel quantizes them, to q when
+  K is rotated and to the output when V is.
 - fp8 (e4m3fn) travels through the kernels as its uint8 bit pattern, encoded
   and decoded by hand (`_fp8_to_float`, `_float_to_fp8`): Triton's
   interpreter casts to fp8 rounding half away from zero and flushing
@@ -51,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import SCALE_MAX, SCALE_MIN, KVFormat, paged_format, rotate
+from kernels.kv_quant import SCALE_MAX, SCALE_MIN, KVFormat, paged_formats, rotate
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Two of the interpreter's bf16 shortcomings are worked around under it (and
@@ -319,13 +322,14 @@ def write_kv(
     v_scales: torch.Tensor | None = None,
 ) -> None:
     """Store this step's K/V [T, Hkv, D] into their cache slots; a quantized
-    cache (fp8 / q8 / q4, by its dtype) also gets each vector's scales."""
+    cache (fp8 / q8 / q4, by its dtype; K and V may differ) also gets each
+    vector's scales."""
     tokens, num_kv_heads, head_dim = k.shape
-    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, head_dim)
+    k_fmt, v_fmt = paged_formats(k_cache, v_cache, k_scales, v_scales, head_dim)
     if tokens == 0:
         return
-    if fmt.quantized and k_scales is not None and v_scales is not None:
-        _write_kv_quantized(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, fmt)
+    if k_fmt.quantized or v_fmt.quantized:
+        _write_kv_quantized(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, k_fmt, v_fmt)
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
@@ -388,7 +392,24 @@ def _quantize_store(
     """Quantize one head vector (head_dim values at x_row) into its slot:
     data at data_row, one float16 scale per GROUP values at scale_row. Works
     on a [groups, values] tile; q4 loads a group's even and odd elements as
-    two tiles, which are the low and high nibbles of its bytes."""
+    two tiles, which are the low and high nibbles of its bytes. A float cache
+    (_FLOAT; BLOCK_J >= head_dim) gets the values cast to its dtype, no scales."""
+    if KV_FORMAT == _FLOAT:
+        j = tl.arange(0, BLOCK_J)
+        x = tl.load(x_row + j, mask=j < head_dim, other=0.0)
+        tl.store(data_row + j, _cast(x, data_row.dtype.element_ty), mask=j < head_dim)
+    else:
+        _quantize_groups_store(x_row, data_row, scale_row, head_dim, KV_FORMAT, GROUP, BLOCK_G, BLOCK_J, QMAX,
+                               SCALE_LO, SCALE_HI)
+
+
+@triton.jit
+def _quantize_groups_store(
+    x_row, data_row, scale_row, head_dim,
+    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
+    QMAX: tl.constexpr, SCALE_LO: tl.constexpr, SCALE_HI: tl.constexpr,
+):
+    """_quantize_store of a quantized format."""
     num_groups = head_dim // GROUP
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_J)
@@ -425,9 +446,14 @@ def _write_kv_quant_kernel(
     stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s,
     stride_ks_h, stride_ks_s, stride_vs_h, stride_vs_s,
     head_dim,
-    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
-    QMAX: tl.constexpr, SCALE_LO: tl.constexpr, SCALE_HI: tl.constexpr,
+    K_FORMAT: tl.constexpr, K_GROUP: tl.constexpr, K_BLOCK_G: tl.constexpr, K_BLOCK_J: tl.constexpr,
+    K_QMAX: tl.constexpr,
+    V_FORMAT: tl.constexpr, V_GROUP: tl.constexpr, V_BLOCK_G: tl.constexpr, V_BLOCK_J: tl.constexpr,
+    V_QMAX: tl.constexpr,
+    SCALE_LO: tl.constexpr, SCALE_HI: tl.constexpr,
 ):
+    """K and V each in its own format (one of them may be a float cache, whose
+    scale pointer is then never read)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -435,12 +461,12 @@ def _write_kv_quant_kernel(
         _quantize_store(
             k_ptr + t * stride_kt + h * stride_kh, k_cache_ptr + h * stride_kc_h + slot * stride_kc_s,
             k_scale_ptr + h * stride_ks_h + slot * stride_ks_s, head_dim,
-            KV_FORMAT, GROUP, BLOCK_G, BLOCK_J, QMAX, SCALE_LO, SCALE_HI,
+            K_FORMAT, K_GROUP, K_BLOCK_G, K_BLOCK_J, K_QMAX, SCALE_LO, SCALE_HI,
         )
         _quantize_store(
             v_ptr + t * stride_vt + h * stride_vh, v_cache_ptr + h * stride_vc_h + slot * stride_vc_s,
             v_scale_ptr + h * stride_vs_h + slot * stride_vs_s, head_dim,
-            KV_FORMAT, GROUP, BLOCK_G, BLOCK_J, QMAX, SCALE_LO, SCALE_HI,
+            V_FORMAT, V_GROUP, V_BLOCK_G, V_BLOCK_J, V_QMAX, SCALE_LO, SCALE_HI,
         )
 
 
@@ -449,12 +475,24 @@ def _kernel_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
-def _scale_strides(scales: torch.Tensor) -> tuple[int, int, int]:
-    """(head, page, slot) strides of a scales tensor; its slots must be one run
-    along (page, offset), like the cache's."""
+def _scale_strides(scales: torch.Tensor | None) -> tuple[int, int, int]:
+    """(head, page, slot) strides of a scales tensor (zeros for None: a float
+    cache's, never read); its slots must be one run along (page, offset), like
+    the cache's."""
+    if scales is None:
+        return 0, 0, 0
     if scales.stride(3) != 1 or scales.stride(1) != scales.shape[2] * scales.stride(2):
         raise ValueError("KV scales must be [heads, pages, page_size, groups] with contiguous pages")
     return scales.stride(0), scales.stride(1), scales.stride(2)
+
+
+def _format_constexprs(fmt: KVFormat) -> tuple[int, int, int, int, float]:
+    """(FORMAT, GROUP, BLOCK_G, BLOCK_J, QMAX) of _quantize_store for fmt."""
+    if not fmt.quantized:
+        return _FORMAT_IDS["auto"], fmt.head_dim, 1, _block(fmt.head_dim), 1.0
+    group = fmt.group_size
+    block_j = _block(group // 2 if fmt.name == "q4" else group)
+    return _FORMAT_IDS[fmt.name], group, _block(fmt.scale_groups), block_j, fmt.qmax
 
 
 def _write_kv_quantized(
@@ -463,27 +501,30 @@ def _write_kv_quantized(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_scales: torch.Tensor,
-    v_scales: torch.Tensor,
-    fmt: KVFormat,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    k_fmt: KVFormat,
+    v_fmt: KVFormat,
 ) -> None:
     tokens, num_kv_heads, head_dim = k.shape
-    # q4 quantizes the rotated vectors (fp32, exactly as the reference rotates them)
-    k = rotate(k.float(), fmt) if fmt.rotated else k
-    v = rotate(v.float(), fmt) if fmt.rotated else v
+    # fp8 / q4 quantize the rotated vectors (fp32, exactly as the reference rotates them)
+    k = rotate(k.float(), k_fmt) if k_fmt.rotated else k
+    v = rotate(v.float(), v_fmt) if v_fmt.rotated else v
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    group = fmt.group_size
     ks, vs = _scale_strides(k_scales), _scale_strides(v_scales)
+    kf, vf = _format_constexprs(k_fmt), _format_constexprs(v_fmt)
     _write_kv_quant_kernel[(tokens, num_kv_heads)](
-        k, v, _kernel_view(k_cache), _kernel_view(v_cache), k_scales, v_scales, slot_mapping.contiguous(),
+        k, v, _kernel_view(k_cache), _kernel_view(v_cache),
+        k_scales if k_scales is not None else k_cache, v_scales if v_scales is not None else v_cache,
+        slot_mapping.contiguous(),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), _slot_stride(k_cache), v_cache.stride(0), _slot_stride(v_cache),
         ks[0], ks[2], vs[0], vs[2],
         head_dim,
-        KV_FORMAT=_FORMAT_IDS[fmt.name], GROUP=group, BLOCK_G=_block(fmt.scale_groups),
-        BLOCK_J=_block(group // 2 if fmt.name == "q4" else group), QMAX=fmt.qmax, SCALE_LO=SCALE_MIN,
-        SCALE_HI=SCALE_MAX,
+        K_FORMAT=kf[0], K_GROUP=kf[1], K_BLOCK_G=kf[2], K_BLOCK_J=kf[3], K_QMAX=kf[4],
+        V_FORMAT=vf[0], V_GROUP=vf[1], V_BLOCK_G=vf[2], V_BLOCK_J=vf[3], V_QMAX=vf[4],
+        SCALE_LO=SCALE_MIN, SCALE_HI=SCALE_MAX,
     )
 
 
@@ -503,9 +544,7 @@ def _load_kv(
         x = _fp8_to_float(tl.load(cache_base + slot_offs + d, mask=mask, other=0))
     else:
         x = tl.load(cache_base + slot_offs + d, mask=mask, other=0.0)
-    if KV_FORMAT == _FP8:  # one scale per slot
-        x = x * tl.load(scale_base + scale_offs, mask=slot_mask, other=0.0).to(tl.float32)
-    elif KV_FORMAT != _FLOAT:
+    if KV_FORMAT != _FLOAT:
         x = x.to(tl.float32) * tl.load(scale_base + scale_offs + d // GROUP, mask=mask, other=0.0).to(tl.float32)
     return x
 
@@ -552,7 +591,7 @@ def _paged_attention_kernel(
         stride_pt, page_size,
         k_cache_ptr, v_cache_ptr, 0, 0, 0, 0, 0, 0,
         GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS, DECODE_ONLY, HAS_WINDOW, SOFTCAP, IEEE,
-        _FLOAT, 1,
+        _FLOAT, 1, _FLOAT, 1,
     )
 
 
@@ -568,8 +607,11 @@ def _quantized_paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    KV_FORMAT: tl.constexpr, QUANT_GROUP: tl.constexpr,
+    K_FORMAT: tl.constexpr, K_GROUP: tl.constexpr, V_FORMAT: tl.constexpr, V_GROUP: tl.constexpr,
 ):
+    """K_FORMAT / V_FORMAT: each cache's format (_FLOAT, _FP8, _Q8, _Q4);
+    K_GROUP / V_GROUP: its values per scale. A float cache's scale pointer
+    and strides are never read."""
     block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -628,9 +670,9 @@ def _quantized_paged_attention_kernel(
             ks_offs = page * stride_ks_p + in_page * stride_ks_s
             vs_offs = page * stride_vs_p + in_page * stride_vs_s
             kt = _load_kv(kc_base, ks_base, k_offs[None, :], ks_offs[None, :], d[:, None], n_valid[None, :],
-                          d_mask[:, None], KV_FORMAT, QUANT_GROUP)
+                          d_mask[:, None], K_FORMAT, K_GROUP)
             v = _load_kv(vc_base, vs_base, v_offs[:, None], vs_offs[:, None], d[None, :], n_valid[:, None],
-                         d_mask[None, :], KV_FORMAT, QUANT_GROUP)
+                         d_mask[None, :], V_FORMAT, V_GROUP)
             kt = _cast(kt, q.dtype)
             v = _cast(v, q.dtype)
             s = _dot(q, kt, IEEE)
@@ -719,8 +761,8 @@ def _paged_attention(
 ) -> torch.Tensor:
     """paged_attention with the tiling exposed (the tests force splits and
     small blocks to reach every path)."""
-    fmt = paged_format(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
-    q = rotate(q, fmt)  # q4: q.k over rotated keys is q.k; the output is rotated back below
+    k_fmt, v_fmt = paged_formats(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
+    q = rotate(q, k_fmt)  # rotated keys (fp8, q4): Hq.Hk = q.k; rotated values: the output is rotated back below
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     batch = context_lens.shape[0]
@@ -764,19 +806,22 @@ def _paged_attention(
         HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
     )
     grid = (num_blocks, num_kv_heads, num_splits)
-    if k_scales is None or v_scales is None or not fmt.quantized:
+    if not k_fmt.quantized and not v_fmt.quantized:
         _paged_attention_kernel[grid](*args, **consts)
     else:
         _quantized_paged_attention_kernel[grid](
-            *args, k_scales, v_scales, *_scale_strides(k_scales), *_scale_strides(v_scales),
-            **consts, KV_FORMAT=_FORMAT_IDS[fmt.name], QUANT_GROUP=fmt.group_size,
+            *args, k_scales if k_fmt.quantized else k_cache, v_scales if v_fmt.quantized else v_cache,
+            *_scale_strides(k_scales if k_fmt.quantized else None),
+            *_scale_strides(v_scales if v_fmt.quantized else None),
+            **consts, K_FORMAT=_FORMAT_IDS[k_fmt.name], K_GROUP=k_fmt.group_size,
+            V_FORMAT=_FORMAT_IDS[v_fmt.name], V_GROUP=v_fmt.group_size,
         )
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
             part_out, part_lse, out, num_heads, head_dim, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=_block(num_splits), BLOCK_D=block_d,
         )
-    return rotate(out, fmt)
+    return rotate(out, v_fmt)
 
 
 def paged_attention(

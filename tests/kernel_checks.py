@@ -196,9 +196,11 @@ def check_attention_prefill() -> None:
 
 
 def _quantized_cache(fmt_name: str, hkv: int, pages: int, page_size: int, d: int, g: torch.Generator):
-    """A cache of format fmt_name filled with arbitrary bits (as reused pages hold),
-    and its scales."""
-    fmt = kv_cache_format(fmt_name, d, torch.float32)
+    """A cache of format fmt_name (fp8, q8, q4, or auto: fp32) filled with arbitrary
+    bits (as reused pages hold), and its scales (None for auto)."""
+    if fmt_name == "auto":
+        return torch.randn(hkv, pages, page_size, d, generator=g), None
+    fmt = kv_cache_format(fmt_name, d, torch.float32).k
     data = torch.randint(0, 256, (hkv, pages, page_size, fmt.data_dim), generator=g, dtype=torch.uint8)
     data[data.view(torch.float8_e4m3fn).float().isnan()] = 0  # no NaN patterns: fp8 caches never hold them
     scales = torch.rand(hkv, pages, page_size, fmt.scale_groups, generator=g).half() + 0.01
@@ -211,6 +213,8 @@ def _slots(x: torch.Tensor) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is None or b is None:
+        return a is b
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -245,40 +249,49 @@ def check_fp8_codec() -> None:
     print(f"fp8 codec: {x.numel()} values bit-exact ({len(mids)} ties)")
 
 
+#: (K format, V format): each format for both, k8v4's q8 keys / q4 values, and float keys with q4 values
+KV_PAIRS = (("fp8", "fp8"), ("q8", "q8"), ("q4", "q4"), ("q8", "q4"), ("auto", "q4"))
+
+
 def check_kv_quant_write() -> None:
     """Quantizing write_kv: Triton bits equal the reference's (data and scales) for
-    every format and activation dtype; only the targeted slots change; a
-    negative (padding) slot writes nothing; strided K/V and int32 slots."""
+    every format, K and V in different formats, and activation dtypes; only the
+    targeted slots change; a negative (padding) slot writes nothing; strided K/V
+    and int32 slots."""
     g = torch.Generator().manual_seed(31)
-    for fmt_name in ("fp8", "q8", "q4"):
-        for dtype, d in ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 96)):
+    configs = ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 96))
+    for k_name, v_name in KV_PAIRS:
+        mixed = k_name != v_name
+        for dtype, d in configs[1:] if mixed else configs:
             hkv, pages, page_size, tokens = 2, 5, 4, 7
             slots = torch.randperm(pages * page_size, generator=g)[:tokens]
             kv = (3 * torch.randn(tokens, 2 * hkv * d, generator=g)).to(dtype)
             kv[2] = 0  # a zero vector: smallest scale, zeros stored
             kv[:, 5] *= 20  # an outlier channel
             k, v = kv[:, : hkv * d].view(tokens, hkv, d), kv[:, hkv * d :].view(tokens, hkv, d)
-            caches = [_quantized_cache(fmt_name, hkv, pages, page_size, d, g) for _ in "kv"]
-            (kc1, ks1), (vc1, vs1) = [(c.clone(), s.clone()) for c, s in caches]
-            (kc2, ks2), (vc2, vs2) = [(c.clone(), s.clone()) for c, s in caches]
+            caches = [_quantized_cache(name, hkv, pages, page_size, d, g) for name in (k_name, v_name)]
+            (kc1, ks1), (vc1, vs1) = [(c.clone(), s if s is None else s.clone()) for c, s in caches]
+            (kc2, ks2), (vc2, vs2) = [(c.clone(), s if s is None else s.clone()) for c, s in caches]
             padded = torch.cat((slots[:3], torch.tensor([-1]), slots[3:])).int()
             k_pad = torch.cat((k[:3], 100 * torch.ones_like(k[:1]), k[3:]))
             v_pad = torch.cat((v[:3], 100 * torch.ones_like(v[:1]), v[3:]))
             tk.write_kv(k_pad, v_pad, kc1, vc1, padded, ks1, vs1)
             ref.write_kv(k, v, kc2, vc2, slots, ks2, vs2)
-            case = f"write_kv {fmt_name} {dtype} D={d}"
+            case = f"write_kv K {k_name} V {v_name} {dtype} D={d}"
             for got, want in ((kc1, kc2), (vc1, vc2), (ks1, ks2), (vs1, vs2)):
                 assert _same_bits(got, want), f"{case}: Triton and reference caches differ"
             untouched = torch.ones(pages * page_size, dtype=torch.bool)
             untouched[slots] = False
             for after, before in ((kc1, caches[0][0]), (ks1, caches[0][1]), (vc1, caches[1][0]), (vs1, caches[1][1])):
+                if after is None:
+                    continue
                 same = torch.equal(_slots(after)[:, untouched], _slots(before)[:, untouched])
                 assert same, f"{case}: other slots changed"
             print(f"{case}: exact")
 
 
 def _quant_attention_case(
-    fmt_name: str,
+    kv_names: tuple[str, str],
     q_lens: list[int],
     ctx_lens: list[int],
     hkv: int,
@@ -296,7 +309,7 @@ def _quant_attention_case(
     max_pages = max(-(-c // page_size) for c in ctx_lens) + 1
     num_pages = batch * max_pages + 3
     (k_cache, k_scales), (v_cache, v_scales) = (
-        _quantized_cache(fmt_name, hkv, num_pages, page_size, d, g) for _ in "kv"
+        _quantized_cache(name, hkv, num_pages, page_size, d, g) for name in kv_names
     )
     # values of a realistic size (an outlier channel in K), written through the reference
     slots = num_pages * page_size
@@ -311,31 +324,36 @@ def _quant_attention_case(
     want = ref.paged_attention(*args)
     got = tk._paged_attention(*args, **tiling)
     close(
-        f"paged_attention {fmt_name} q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} page={page_size} "
-        f"window={window} softcap={softcap} {tiling} {dtype}",
+        f"paged_attention K {kv_names[0]} V {kv_names[1]} q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} "
+        f"page={page_size} window={window} softcap={softcap} {tiling} {dtype}",
         got, want, dtype,
     )
 
 
 def check_kv_quant_attention() -> None:
-    """Paged attention over fp8 / q8 / q4 caches, Triton vs reference: split-K
+    """Paged attention over fp8 / q8 / q4 caches and K and V in different formats
+    (k8v4's q8 / q4; float keys with q4 values), Triton vs reference: split-K
     decodes, verify rows, a prefill chunk, GQA, partial pages, window, soft-cap."""
-    for i, fmt_name in enumerate(("fp8", "q8", "q4")):
+    for i, kv_names in enumerate(KV_PAIRS):
         seed = 40 + 10 * i
-        _quant_attention_case(fmt_name, [1, 1, 1], [1, 9, 14], hkv=2, group=2, d=64, page_size=4,
+        if kv_names[0] == "auto":  # what differs is only which tiles are dequantized: one case
+            _quant_attention_case(kv_names, [3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
+                                  dtype=torch.float32, seed=seed)
+            continue
+        _quant_attention_case(kv_names, [1, 1, 1], [1, 9, 14], hkv=2, group=2, d=64, page_size=4,
                               dtype=torch.float32, seed=seed, num_splits=2)
-        _quant_attention_case(fmt_name, [3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
+        _quant_attention_case(kv_names, [3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
                               dtype=torch.float32, seed=seed + 1)
-        _quant_attention_case(fmt_name, [2, 1], [11, 5], hkv=2, group=2, d=64, page_size=4, dtype=torch.bfloat16,
+        _quant_attention_case(kv_names, [2, 1], [11, 5], hkv=2, group=2, d=64, page_size=4, dtype=torch.bfloat16,
                               seed=seed + 2)
-        _quant_attention_case(fmt_name, [4, 1], [10, 9], hkv=1, group=2, d=96, page_size=4, dtype=torch.float32,
+        _quant_attention_case(kv_names, [4, 1], [10, 9], hkv=1, group=2, d=96, page_size=4, dtype=torch.float32,
                               seed=seed + 3, window=5, softcap=2.0)
     # the public functions with the Triton path forced hand the scales to the kernels
     import kernels
 
     g = torch.Generator().manual_seed(70)
     k, v, q = (torch.randn(8, 1, 32, generator=g) for _ in range(3))
-    (kc, ks), (vc, vs) = (_quantized_cache("q4", 1, 2, 4, 32, g) for _ in "kv")
+    (kc, ks), (vc, vs) = (_quantized_cache(name, 1, 2, 4, 32, g) for name in ("q8", "q4"))  # k8v4
     caches = [t.clone() for t in (kc, vc, ks, vs)]
     cu, ctx, table = (torch.tensor(x, dtype=torch.int32) for x in ([0, 8], [8], [[1, 0]]))
     ref.write_kv(k, v, kc, vc, torch.arange(8), ks, vs)
@@ -347,7 +365,7 @@ def check_kv_quant_attention() -> None:
         del os.environ[kernels.FORCE_ENV]
     assert kernels._triton is tk
     assert all(_same_bits(a, b) for a, b in zip(caches, (kc, vc, ks, vs))), "forced write_kv differs"
-    close("public paged_attention q4, Triton forced", got,
+    close("public paged_attention k8v4, Triton forced", got,
           ref.paged_attention(q, kc, vc, table, cu, ctx, 0.2, None, None, ks, vs), torch.float32)
 
 
