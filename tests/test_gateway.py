@@ -107,8 +107,8 @@ def test_openai_sdk_streams_chat_completions_equal_to_the_workers_result(oai: op
 
 
 def test_openai_errors_are_openai_errors(oai: openai.OpenAI, gateway: str):
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        oai.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(model=MODEL, prompt="x", best_of=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=3)
     with pytest.raises(openai.NotFoundError, match="does not exist"):

@@ -8,6 +8,7 @@ Run it with `genq gateway` (uvicorn); `create_app(settings)` is the ASGI applica
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -61,6 +62,7 @@ from producer.gateway.openai_api import (
 from producer.gateway.settings import GatewaySettings
 from producer.protocol import (
     IDENTIFIER_PATTERN,
+    MAX_SEED,
     GenerationRequest,
     GenerationResult,
     ProtocolError,
@@ -415,88 +417,146 @@ async def _openai(gateway: Gateway, request: Request, body: CompletionRequest | 
     # Before anything is queued: a streamed request is answered 200 as soon as it is.
     await gateway.limits.check(generation, status=400, names=OPENAI_NAMES)
     await gateway.admit()
-    handle = await gateway.client.submit(generation, identifier=identifier)
+    if body.n_choices == 1:
+        handles = [await gateway.client.submit(generation, identifier=identifier)]
+    else:
+        handles = await gateway.client.submit_many(_children(generation, body.n_choices))
     if body.stream:
-        chunks = _openai_stream(gateway, handle, body.model, chat=chat, include_usage=body.include_usage)
+        chunks = _openai_stream(gateway, identifier, handles, body.model, chat=chat,
+                                include_usage=body.include_usage)
         return StreamingResponse(chunks, media_type="text/event-stream", headers=sse.SSE_HEADERS)
     try:
-        result = await sse.unless_disconnected(request, handle.result(timeout=settings.result_timeout_s))
+        results = await sse.unless_disconnected(request, _results(handles, settings.result_timeout_s))
     except GenerationError as error:
         # Nearly always the request's fault (a token outside the vocabulary, a prompt longer than the
         # context): 400, so that SDKs do not retry it; the message is the worker's.
+        await _cancel(gateway, [handle for handle in handles if handle.id != error.identifier])
         raise ApiError(400, "generation_failed", error.message) from None
     except TimeoutError:
-        await gateway.client.cancel(identifier)
+        await _cancel(gateway, handles)
         raise ApiError(504, "timeout", f"no result within {settings.result_timeout_s:.0f} s; cancelled") from None
-    if result is None:  # the client went away: nobody will read the answer
-        await gateway.client.cancel(identifier)
+    if results is None:  # the client went away: nobody will read the answer
+        await _cancel(gateway, handles)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return (chat_response if chat else completion_response)(identifier, body.model, result)
+    return (chat_response if chat else completion_response)(identifier, body.model, results)
 
 
-async def _openai_stream(gateway: Gateway, handle: AsyncGenerationHandle, model: str, *, chat: bool,
-                         include_usage: bool) -> AsyncIterator[str]:
+def _children(generation: GenerationRequest, n: int) -> list[dict[str, Any]]:
+    """OpenAI's n > 1 as vLLM v1 does it (parallel sampling): n child requests `<id>-0` ...
+    `<id>-<n-1>` with the parent's prompt and settings, seeds seed + i (wrapped into the protocol's
+    range, as engine.Job.samples does) or, without a seed, each its own random one. Sent together
+    (submit_many) to one queue (with prefix routing, the prompt's route), they usually reach one
+    worker, which computes the prompt once: the engine shares its pages between jobs admitted
+    together (prefix cache). Children that land on different workers (several consume one queue,
+    a redelivery) each compute the prompt."""
+    kwargs = generation.to_kwargs()
+    sampling = kwargs.get("sampling", {})
+    seed = generation.sampling.seed
+    children = []
+    for i in range(n):
+        child = {**kwargs, "identifier": f"{generation.identifier}-{i}"}
+        if seed is not None:
+            child["sampling"] = {**sampling, "seed": (seed + i) % (MAX_SEED + 1)}
+        children.append(child)
+    return children
+
+
+async def _results(handles: list[AsyncGenerationHandle], timeout: float) -> list[GenerationResult]:
+    """Every handle's result, in order; the first failure (GenerationError, TimeoutError) is raised
+    as soon as it happens, and the waits still running are dropped."""
+    if len(handles) == 1:
+        return [await handles[0].result(timeout=timeout)]
+    waits = [asyncio.ensure_future(handle.result(timeout=timeout)) for handle in handles]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+        for wait in waits:
+            if wait.done() and (failure := wait.exception()) is not None:
+                raise failure
+        return [wait.result() for wait in waits]
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+async def _cancel(gateway: Gateway, handles: list[AsyncGenerationHandle]) -> None:
+    for handle in handles:
+        await gateway.client.cancel(handle.id)
+
+
+async def _openai_stream(gateway: Gateway, identifier: str, handles: list[AsyncGenerationHandle], model: str, *,
+                         chat: bool, include_usage: bool) -> AsyncIterator[str]:
     """OpenAI's streaming format: `data: <chunk>` per piece of text, a last chunk with the
-    finish_reason, a usage chunk when asked, then `data: [DONE]`. A client that disconnects
-    before the end cancels the generation. If a worker dies mid-generation, the redelivered
-    attempt continues the text where it stopped (TextAssembler)."""
+    finish_reason, a usage chunk when asked, then `data: [DONE]`. With n > 1 the children's events
+    are merged as they come, one choice per chunk (as OpenAI sends them): chat's role chunk for
+    each index first, each index's text and its own finish chunk, then one usage chunk for all
+    (CompletionUsage.from_usage) once every child has finished. A client that disconnects before
+    the end cancels every unfinished child, and so does an error of any child (the stream ends
+    with that error). If a worker dies mid-generation, the redelivered attempt continues the text
+    where it stopped (a TextAssembler per child)."""
     created = int(time.time())
+    n = len(handles)
+    offsets = [0] * n  # of each choice's text so far (the legacy logprobs' text_offset)
 
-    offset = 0  # of the completion's text so far (the legacy logprobs' text_offset)
-
-    def chunk(text: str | None, finish_reason: str | None = None, *, role: bool = False,
+    def chunk(index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
               logprobs: list[TokenLogprob] | None = None) -> str:
         if chat:
             delta = ChatDelta(role="assistant" if role else None, content=text)
-            body: BaseModel = ChatCompletionChunk(id=handle.id, created=created, model=model, choices=[
-                ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+            body: BaseModel = ChatCompletionChunk(id=identifier, created=created, model=model, choices=[
+                ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
                                 logprobs=ChatLogprobs.from_tokens(logprobs))])
         else:
-            body = Completion(id=handle.id, created=created, model=model, choices=[
-                CompletionChoice(text=text or "", finish_reason=finish_reason,
-                                 logprobs=CompletionLogprobs.from_tokens(logprobs, offset))])
+            body = Completion(id=identifier, created=created, model=model, choices=[
+                CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
+                                 logprobs=CompletionLogprobs.from_tokens(logprobs, offsets[index]))])
         return sse.message(body.model_dump_json())
 
-    def usage_chunk(usage: Usage) -> str:
-        totals = CompletionUsage.from_usage(usage)
-        body: BaseModel = (ChatCompletionChunk(id=handle.id, created=created, model=model, choices=[], usage=totals)
-                           if chat else Completion(id=handle.id, created=created, model=model, choices=[],
+    def usage_chunk(usages: list[Usage]) -> str:
+        totals = CompletionUsage.from_usage(usages)
+        body: BaseModel = (ChatCompletionChunk(id=identifier, created=created, model=model, choices=[],
+                                               usage=totals)
+                           if chat else Completion(id=identifier, created=created, model=model, choices=[],
                                                    usage=totals))
         return sse.message(body.model_dump_json())
 
     def error(code: str, message: str) -> str:
         return sse.message(json.dumps({"error": {"message": message, "type": "server_error", "code": code}}))
 
-    ended = False
-    assembler = TextAssembler(handle.id)
+    usages: dict[int, Usage | None] = {}  # of the children that finished (an error finishes one too)
+    assemblers = [TextAssembler(handle.id) for handle in handles]
     try:
         if chat:
-            yield chunk("", role=True)
-        events = handle.events(timeout=gateway.settings.stream_idle_timeout_s)
-        async for event in sse.with_keepalive(events, gateway.settings.keepalive_s):
-            if event is None:
+            for index in range(n):
+                yield chunk(index, "", role=True)
+        timeout = gateway.settings.stream_idle_timeout_s
+        events = sse.merged([handle.events(timeout=timeout) for handle in handles])
+        async for item in sse.with_keepalive(events, gateway.settings.keepalive_s):
+            if item is None:
                 yield sse.KEEPALIVE
                 continue
-            text = assembler.feed(event)
+            index, event = item
+            text = assemblers[index].feed(event)
             logprobs = event.logprobs if event.event == "chunk" else None
             if text or logprobs:
-                yield chunk(text, logprobs=logprobs)
-                offset += len(text or "")
+                yield chunk(index, text, logprobs=logprobs)
+                offsets[index] += len(text or "")
             if event.is_terminal:
-                ended = True
-                yield chunk(None if chat else "", openai_finish_reason(event.finish_reason or "stop"))
-                if include_usage and event.usage is not None:
-                    yield usage_chunk(event.usage)
-                yield "data: [DONE]\n\n"
+                usages[index] = event.usage
+                yield chunk(index, None if chat else "", openai_finish_reason(event.finish_reason or "stop"))
+                if len(usages) == n:
+                    totals = [usages[i] for i in range(n)]
+                    if include_usage and all(usage is not None for usage in totals):
+                        yield usage_chunk(totals)  # type: ignore[arg-type]
+                    yield "data: [DONE]\n\n"
     except GenerationError as failure:
-        ended = True
+        usages.update({i: None for i, handle in enumerate(handles) if handle.id == failure.identifier})
         yield error("generation_failed", failure.message)
     except StreamRestarted as restarted:
         yield error("stream_restarted", str(restarted))
     except TimeoutError as timeout:
         yield error("timeout", str(timeout))
     finally:
-        if not ended:
-            # The client left (the server cancels this generator), or the stream broke: stop the GPU work.
+        # The client left (the server cancels this generator), or the stream broke: stop the GPU work.
+        unfinished = [handle for i, handle in enumerate(handles) if i not in usages]
+        if unfinished:
             with anyio.CancelScope(shield=True):
-                await gateway.client.cancel(handle.id)
+                await _cancel(gateway, unfinished)

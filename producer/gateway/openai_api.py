@@ -1,9 +1,12 @@
 """OpenAI-compatible request and response shapes, and their translation to the genq protocol.
 
 Requests accept what OpenAI clients send: unknown fields are ignored (as vLLM does: SDKs add
-fields over time), known features genq lacks are refused with a 400 that names them (n > 1,
-echo, suffix, tools), and the values themselves are checked by GenerationRequest, so the
-limits are the protocol's. Structured output: chat's response_format (json_object, json_schema)
+fields over time), known features genq lacks are refused with a 400 that names them (echo,
+suffix, best_of > 1, tools), and the values themselves are checked by GenerationRequest, so the
+limits are the protocol's. `n` (1 to MAX_N) is vLLM v1's parallel sampling: the gateway sends
+n child requests `<id>-0` ... `<id>-<n-1>` with the same prompt and settings (seeds seed + i, or
+each its own random seed), and the response, under `<id>`, has one choice per child
+(producer/gateway/app.py). Structured output: chat's response_format (json_object, json_schema)
 and vLLM's guided_json / guided_regex / guided_choice / guided_grammar on both endpoints become
 the request's constraint. Log-probabilities in OpenAI's shapes: chat's logprobs + top_logprobs,
 completions' logprobs (an int: that many alternatives). Extensions, as in vLLM: top_k, min_p,
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import (
@@ -43,6 +47,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "length"}
 
 OpenAIFinishReason = Literal["stop", "length"]
+MAX_N = 16
+"""The most choices (`n`) one request may ask for: each is a child request of its own, a slot in a
+worker's batch and a stream for the gateway to follow, so n is bounded like the protocol's other
+per-request sizes (vLLM bounds it only by its batch; OpenAI's own limit is 128)."""
 SAME_NAMED_SAMPLERS = (
     "top_a", "typical", "tfs", "skew", "smoothing_factor", "min_temp", "max_temp", "temp_exponent",
     "temperature_last", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
@@ -132,8 +140,13 @@ class _CommonParams(_Lenient):
     guided_grammar: str | None = Field(None, description="vLLM extension: Lark, or GBNF (llama.cpp's)")
 
     def _check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise UnsupportedParameter("n", f"only n=1 is supported, got {self.n}; send separate requests")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise InvalidParameter("n", f"the number of choices must be from 1 to {MAX_N}, got {self.n}")
+
+    @property
+    def n_choices(self) -> int:
+        """How many choices (child requests) the request asks for."""
+        return 1 if self.n is None else self.n
 
     def _guided(self) -> dict[str, tuple[str, Any]]:
         """The vLLM guided_* parameters given: name -> the protocol constraint they ask for."""
@@ -333,10 +346,17 @@ class CompletionUsage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def from_usage(cls, usage: Usage) -> CompletionUsage:
-        return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                   total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens))
+    def from_usage(cls, usage: Usage | Sequence[Usage]) -> CompletionUsage:
+        """One request's usage, or the sum over the children of an n > 1 request: their prompt is
+        the same, so it is counted once (the first child's count), their completions are summed,
+        and cached_tokens is what no child had to compute: the prompt less the prompt tokens each
+        child computed, at least 0 (the single usage's own cached_tokens when n = 1)."""
+        usages = [usage] if isinstance(usage, Usage) else list(usage)
+        prompt = usages[0].prompt_tokens
+        completion = sum(u.completion_tokens for u in usages)
+        computed = sum(max(0, u.prompt_tokens - u.cached_tokens) for u in usages)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=max(0, prompt - computed)))
 
 
 class TopLogprobEntry(BaseModel):
@@ -469,17 +489,21 @@ def openai_finish_reason(finish_reason: str) -> OpenAIFinishReason:
     return FINISH_REASONS[finish_reason]  # type: ignore[return-value]
 
 
-def completion_response(identifier: str, model: str, result: GenerationResult) -> Completion:
+def completion_response(identifier: str, model: str, results: Sequence[GenerationResult]) -> Completion:
+    """The answer to a request of len(results) choices, choice i from results[i]."""
     return Completion(id=identifier, created=int(time.time()), model=model,
-                      choices=[CompletionChoice(text=result.text,
+                      choices=[CompletionChoice(index=i, text=result.text,
                                                 finish_reason=openai_finish_reason(result.finish_reason),
-                                                logprobs=CompletionLogprobs.from_tokens(result.logprobs))],
-                      usage=CompletionUsage.from_usage(result.usage))
+                                                logprobs=CompletionLogprobs.from_tokens(result.logprobs))
+                               for i, result in enumerate(results)],
+                      usage=CompletionUsage.from_usage([result.usage for result in results]))
 
 
-def chat_response(identifier: str, model: str, result: GenerationResult) -> ChatCompletion:
+def chat_response(identifier: str, model: str, results: Sequence[GenerationResult]) -> ChatCompletion:
+    """The answer to a request of len(results) choices, choice i from results[i]."""
     return ChatCompletion(id=identifier, created=int(time.time()), model=model,
-                          choices=[ChatChoice(message=AssistantMessage(content=result.text),
+                          choices=[ChatChoice(index=i, message=AssistantMessage(content=result.text),
                                               finish_reason=openai_finish_reason(result.finish_reason),
-                                              logprobs=ChatLogprobs.from_tokens(result.logprobs))],
-                          usage=CompletionUsage.from_usage(result.usage))
+                                              logprobs=ChatLogprobs.from_tokens(result.logprobs))
+                                   for i, result in enumerate(results)],
+                          usage=CompletionUsage.from_usage([result.usage for result in results]))

@@ -4,7 +4,7 @@ noticing that the HTTP client went away."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
 from fastapi import Request
@@ -48,6 +48,35 @@ async def with_keepalive(items: AsyncIterator[T], interval_s: float) -> AsyncIte
     finally:
         if pending is not None:
             pending.cancel()  # the source generator ends with the CancelledError thrown into it
+
+
+async def merged(sources: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several async iterators as (index of the source, item), as they arrive (each
+    source's own order kept; items ready together in source order), until every source is
+    exhausted. A source's exception ends the merge. One read per source is pending at a time; the
+    pending reads are cancelled when the merge ends (the source generators end with the
+    CancelledError thrown into them), as in with_keepalive.
+
+    asyncio tasks rather than an anyio task group: a task group must not stay open across the
+    yields of an async generator, and Starlette leaves a response's generator suspended at a yield
+    when its client goes away, to be closed later from another task."""
+    pending: dict[asyncio.Future[T], int] = {}
+    try:
+        for index, source in enumerate(sources):
+            pending[asyncio.ensure_future(anext(source))] = index
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                index = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, item
+                pending[asyncio.ensure_future(anext(sources[index]))] = index
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 async def wait_for_disconnect(request: Request) -> None:
