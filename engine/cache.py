@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from engine.config import ModelConfig
 
 ROOT_HASH = b""
@@ -124,12 +125,23 @@ class PagePool:
 
 @dataclass
 class KVCache:
-    """Per-layer K and V pages: k and v are [layers, kv_heads, pages, page_size, head_dim]
-    (the layout kernels/ works on)."""
+    """Per-layer K and V pages: k and v are [layers, kv_heads, pages, page_size, X]
+    (the layout kernels/ works on), X = head_dim, or head_dim / 2 for the packed q4 format.
+
+    cache_dtype picks the storage (kernels.KV_CACHE_DTYPES): "auto" keeps the model's dtype;
+    "fp8", "q8", "q4" and "k8v4" (keys at 8 bits, values at 4) store K/V quantized when
+    written, with float16 scales per group of a token's head vector (k_scales / v_scales,
+    [layers, kv_heads, pages, page_size, groups]), and paged attention dequantizes only the
+    pages it reads. Halving or quartering bytes per token is
+    what lets a GPU keep two to four times the concurrent context of a full-precision cache.
+    """
 
     k: torch.Tensor
     v: torch.Tensor
     page_size: int
+    k_scales: torch.Tensor | None = None
+    v_scales: torch.Tensor | None = None
+    cache_dtype: str = "auto"
 
     @property
     def num_pages(self) -> int:
@@ -137,21 +149,27 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element
-
-    @property
-    def cache_dtype(self) -> str:
-        return "auto"
+        """Bytes one token's K and V take over all layers, scales included."""
+        layout = kernels.kv_cache_format(cache_dtype, config.head_dim, dtype)
+        return config.num_layers * config.num_kv_heads * layout.bytes_per_head_token
 
     @classmethod
     def allocate(
         cls, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
         cache_dtype: str = "auto",
     ) -> KVCache:
-        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
-        return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device),
-            v=torch.zeros(shape, dtype=dtype, device=device),
-            page_size=page_size,
-        )
+        """A zeroed cache; dtype is the model's, cache_dtype the storage format (ValueError naming
+        the allowed formats for an unknown one)."""
+        layout = kernels.kv_cache_format(cache_dtype, config.head_dim, dtype)
+        shape = (config.num_layers, config.num_kv_heads, num_pages, page_size)
+
+        def data(fmt: kernels.KVFormat) -> torch.Tensor:
+            return torch.zeros((*shape, fmt.data_dim), dtype=fmt.data_dtype, device=device)
+
+        def scales(fmt: kernels.KVFormat) -> torch.Tensor | None:
+            if not fmt.scale_groups:
+                return None
+            return torch.ones((*shape, fmt.scale_groups), dtype=torch.float16, device=device)
+
+        return cls(k=data(layout.k), v=data(layout.v), page_size=page_size, k_scales=scales(layout.k),
+                   v_scales=scales(layout.v), cache_dtype=layout.name)

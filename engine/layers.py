@@ -61,6 +61,9 @@ class Attention(nn.Module):
         # plain attributes, so they are neither parameters nor saved with the weights.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # A quantized cache's float16 scales per token and head (None for a full-precision cache).
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.k_cache, self.v_cache
@@ -76,7 +79,7 @@ class Attention(nn.Module):
         else:
             q, k = q.contiguous(), k.contiguous()
         kernels.apply_rope(q, k, cos, sin)
-        kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        kernels.write_kv(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scales, self.v_scales)
         out = kernels.paged_attention(
             q,
             k_cache,
@@ -87,6 +90,8 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             self.softcap,
+            self.k_scales,
+            self.v_scales,
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -85,8 +85,11 @@ class CausalLM(nn.Module):
         (not per forward: static addresses, as CUDA-graph capture needs)."""
         if cache.k.shape[0] != len(self.layers):
             raise ValueError(f"the cache has {cache.k.shape[0]} layers, the model {len(self.layers)}")
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+        for i, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            attention.k_cache, attention.v_cache = cache.k[i], cache.v[i]
+            attention.k_scales = cache.k_scales[i] if cache.k_scales is not None else None
+            attention.v_scales = cache.v_scales[i] if cache.v_scales is not None else None
         self.bound_cache = cache
 
     def reset_buffers(self, device: torch.device | str) -> None:

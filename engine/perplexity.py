@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,10 +22,26 @@ from engine.cache import KVCache
 from engine.model import CausalLM
 
 
+@dataclass(frozen=True)
+class TextScores:
+    """Per position i >= 1 of a text: log p(token i | tokens before it) and the model's top choice there."""
+
+    logprobs: torch.Tensor  # [len - 1] fp32
+    predicted: torch.Tensor  # [len - 1] int64
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean negative log-likelihood)."""
+        return math.exp(-float(self.logprobs.mean()))
+
+    def agreement(self, other: TextScores) -> float:
+        """Share of positions where both predict the same next token (teacher-forced greedy agreement)."""
+        return float((self.predicted == other.predicted).float().mean())
+
+
 @torch.inference_mode()
-def token_logprobs(model: CausalLM, cache: KVCache, token_ids: Sequence[int], chunk_size: int = 32) -> torch.Tensor:
-    """log p(token_ids[i] | token_ids[:i]) for i >= 1, [len - 1] fp32, computed chunk by chunk
-    over pages 0, 1, ... of `cache` (which must hold len(token_ids) tokens)."""
+def score_text(model: CausalLM, cache: KVCache, token_ids: Sequence[int], chunk_size: int = 32) -> TextScores:
+    """Feed token_ids chunk by chunk over pages 0, 1, ... of `cache` (which must hold them all)."""
     tokens = list(token_ids)
     page_size = cache.page_size
     pages = -(-len(tokens) // page_size)
@@ -33,7 +50,8 @@ def token_logprobs(model: CausalLM, cache: KVCache, token_ids: Sequence[int], ch
     device = cache.k.device
     model.bind_cache(cache)
     table = torch.arange(pages, dtype=torch.int32, device=device)[None]
-    out: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    predicted: list[torch.Tensor] = []
     for start in range(0, len(tokens) - 1, chunk_size):
         end = min(start + chunk_size, len(tokens) - 1)
         positions = torch.arange(start, end, device=device)
@@ -46,12 +64,13 @@ def token_logprobs(model: CausalLM, cache: KVCache, token_ids: Sequence[int], ch
             slot_mapping=positions,
             logits_indices=torch.arange(end - start, device=device),
         )
-        logprobs = torch.log_softmax(model(batch).float(), dim=-1)
+        chunk = torch.log_softmax(model(batch).float(), dim=-1)
         targets = torch.tensor(tokens[start + 1 : end + 1], device=device)
-        out.append(logprobs.gather(1, targets[:, None]).squeeze(1))
-    return torch.cat(out)
+        logprobs.append(chunk.gather(1, targets[:, None]).squeeze(1))
+        predicted.append(chunk.argmax(dim=-1))
+    return TextScores(torch.cat(logprobs), torch.cat(predicted))
 
 
 def perplexity(model: CausalLM, cache: KVCache, token_ids: Sequence[int], chunk_size: int = 32) -> float:
     """exp(mean negative log-likelihood) of token_ids[1:] given what precedes each."""
-    return math.exp(-float(token_logprobs(model, cache, token_ids, chunk_size).mean()))
+    return score_text(model, cache, token_ids, chunk_size).perplexity
