@@ -159,13 +159,17 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.input_ids is not None:
         request["input_ids"] = _parse_token_ids(args.input_ids)
     request.update({name: getattr(args, name) for name in REQUEST_OPTIONS if getattr(args, name) is not None})
-    sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    sampling = _sampling_from_args(args)
     if sampling:
         request["sampling"] = sampling
     if args.stop:
         request["stop"] = args.stop
     if args.ignore_eos:
         request["ignore_eos"] = True
+    if args.ban:
+        request["banned_strings"] = args.ban
+    if args.token_healing:
+        request["token_healing"] = True
     if args.id is not None:
         request["identifier"] = args.id
     constraint = _constraint_from_args(args)
@@ -175,6 +179,21 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
         request["logprobs"] = True
         request["top_logprobs"] = args.top_logprobs
     return request
+
+
+def _sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """--sampling's JSON object (any sampling field: min_p, dry_multiplier, mirostat, ...), with the
+    dedicated options (--temperature, --top-p, --top-k, --seed) over it."""
+    sampling: Any = {}
+    if args.sampling is not None:
+        try:
+            sampling = json.loads(args.sampling)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--sampling: not JSON ({error})") from None
+        if not isinstance(sampling, dict):
+            raise UsageError(f'--sampling: expected a JSON object such as {{"min_p": 0.05}}, got {args.sampling}')
+    sampling.update({name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None})
+    return sampling
 
 
 def _constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:

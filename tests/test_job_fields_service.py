@@ -9,6 +9,7 @@ import openai
 import pytest
 from celery import Celery
 
+from producer.cli import request_from_args
 from producer.protocol import TASK_NAME, GenerationRequest, GenerationResult, ProtocolError
 from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
     MODEL,
@@ -21,6 +22,7 @@ from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
     oai,
     worker,
 )
+from worker.cli import build_parser
 from worker.processes import WorkerProcess
 
 
@@ -62,3 +64,10 @@ def test_the_gateway_takes_them_under_tabbyapi_s_names(oai: openai.OpenAI) -> No
                                   extra_body={"ignore_eos": True, "banned_strings": banned, "token_healing": True})
     assert banned not in kept.choices[0].text
     assert kept.usage.prompt_tokens == free.usage.prompt_tokens - 1
+
+
+def test_the_cli_sends_banned_strings_and_token_healing() -> None:
+    args = build_parser().parse_args(["submit", "print('Hel", "--ban", "As an AI", "--ban", "x", "--token-healing"])
+    request = request_from_args(args)
+    assert request["banned_strings"] == ["As an AI", "x"] and request["token_healing"] is True
+    GenerationRequest.parse_payload(request)

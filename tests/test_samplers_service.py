@@ -17,6 +17,7 @@ import pytest
 from celery import Celery
 
 from engine import SamplerSettings, Tokenizer
+from producer.cli import UsageError, request_from_args
 from producer.protocol import (
     DRY_DEFAULT_SEQUENCE_BREAKERS,
     TASK_NAME,
@@ -36,6 +37,7 @@ from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
     oai,
     worker,
 )
+from worker.cli import build_parser
 from worker.jobs import build_job
 from worker.processes import WorkerProcess
 
@@ -113,6 +115,16 @@ def test_dry_breakers_default_to_exllamav2_s_and_an_empty_list_means_none(model_
     assert {t for t, text in enumerate(texts) if any(c in text for c in DRY_DEFAULT_SEQUENCE_BREAKERS)} <= default
     assert breakers({"dry_multiplier": 1.0, "dry_sequence_breakers": []}) == ()
     assert breakers({"dry_sequence_breakers": ["\n"]}) == ()  # DRY off: nothing to map
+
+
+def test_the_cli_sends_any_sampling_setting_as_json():
+    parser = build_parser()
+    args = parser.parse_args(["submit", "hi", "--sampling", '{"mirostat": true, "temperature": 0.2}', "--temperature",
+                              "0.7"])
+    assert request_from_args(args)["sampling"] == {"mirostat": True, "temperature": 0.7}  # the option wins
+    for bad in ("[1]", "{mirostat"):
+        with pytest.raises(UsageError, match="--sampling"):
+            request_from_args(parser.parse_args(["submit", "hi", "--sampling", bad]))
 
 
 def test_a_real_worker_serves_dry_xtc_and_mirostat_requests(worker: WorkerProcess, celery_client: Celery):

@@ -150,7 +150,8 @@ def _dev(args: argparse.Namespace) -> int:
 
 
 WORKER_SETTINGS = (
-    "model", "device", "dtype", "concurrency", "queue", "redis_url", "cache_tokens", "page_size",
+    "model", "device", "dtype", "concurrency", "queue", "redis_url", "cache_tokens", "cache_dtype", "quantize",
+    "page_size",
     "max_batch_size", "max_chunk_size", "visibility_timeout_s", "shutdown_grace_s", "metrics_port",
     "prefix_routes", "prefix_route", "prefix_caching", "ngram_draft", "draft_model", "num_draft_tokens",
     "max_speculative_batch",
@@ -200,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--queue", help="queue to consume; one per model (default genq)")
     worker.add_argument("--redis-url", dest="redis_url", help="broker + results + streams (GENQ_REDIS_URL)")
     worker.add_argument("--cache-tokens", dest="cache_tokens", type=int, help="KV cache size in tokens")
+    worker.add_argument("--cache-dtype", dest="cache_dtype", choices=["auto", "fp8", "q8", "q4", "k8v4"],
+                        help="KV cache storage (GENQ_CACHE_DTYPE): auto = the model's dtype; fp8, q8, q4 and "
+                             "k8v4 (keys 8-bit, values 4-bit) are quantized on write: 2x to 3.5x the tokens of "
+                             "a 16-bit cache in the same memory (see the README's quantization table)")
+    worker.add_argument("--quantize", choices=["int8", "int4"],
+                        help="weight-only quantization of the linear layers at load (GENQ_QUANTIZE); a GGUF "
+                             "Q4_0/Q4_1/Q4_K/Q8_0 file maps onto it without dequantizing first")
     worker.add_argument("--page-size", dest="page_size", type=int, help="KV cache page size in tokens")
     worker.add_argument("--max-batch-size", dest="max_batch_size", type=int, help="jobs batched together")
     worker.add_argument("--max-chunk-size", dest="max_chunk_size", type=int, help="tokens per forward")
@@ -327,8 +335,15 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
     submit.add_argument("--top-k", dest="top_k", type=int, metavar="K",
                         help="keep the K most likely tokens")
     submit.add_argument("--seed", type=int, metavar="N", help="same seed and request, same text")
+    submit.add_argument("--sampling", metavar="JSON",
+                        help='any other sampling settings, as a JSON object: \'{"min_p": 0.05, "dry_multiplier": '
+                             '0.8, "mirostat": true}\' (docs/protocol.md lists them)')
     submit.add_argument("--stop", action="append", metavar="STR", help="a stop string (repeatable)")
     submit.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="do not stop at EOS")
+    submit.add_argument("--ban", action="append", metavar="STR",
+                        help="a string the output never contains (repeatable; the worker rewinds)")
+    submit.add_argument("--token-healing", dest="token_healing", action="store_true",
+                        help="regenerate the prompt's last token (for prompts cut mid-word)")
     submit.add_argument("--id", help="the request identifier (default: a new UUID)")
     submit.add_argument("--priority", type=int, metavar="P", help="0 (served first) to 9")
     submit.add_argument("--timeout", type=float, metavar="S",

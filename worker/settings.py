@@ -6,6 +6,8 @@ visibility timeout, queue name and key prefix can never disagree between them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from producer.routing import route_queue
@@ -26,6 +28,11 @@ class Settings(ClientSettings):
     device: str = Field("cpu", description="cpu or cuda[:N]")
     dtype: str | None = Field(None, description="float32 | bfloat16 | float16 (default: the checkpoint's)")
     cache_tokens: int | None = Field(None, ge=1, description="KV cache size in tokens (default: memory budget)")
+    cache_dtype: Literal["auto", "fp8", "q8", "q4", "k8v4"] = Field(
+        "auto", description="KV cache storage: the model's dtype, or quantized (fp8, q8, q4, k8v4: keys 8-bit, "
+                         "values 4-bit) to hold more tokens")
+    quantize: Literal["int8", "int4"] | None = Field(
+        None, description="weight-only quantization of the linear layers at load (GGUF 4/8-bit maps directly)")
     page_size: int | None = Field(None, ge=1, description="KV cache page size in tokens")
     max_batch_size: int | None = Field(None, ge=1, description="jobs in the generator's batch at once")
     max_chunk_size: int | None = Field(None, ge=1, description="tokens per forward (prefill chunking budget)")
