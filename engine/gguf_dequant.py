@@ -8,6 +8,15 @@ and is written from the block layouts in ggml's `ggml-common.h`.
 
 Output element order follows ggml's reference dequantizers; the formulas are
 checked against the `gguf` package's numpy dequantizer in tests/test_gguf_loading.py.
+
+When the engine keeps weights quantized (engine/quantized_linear.py),
+`to_quantized` maps the blocks that fit its formats straight onto them,
+without the float expansion: Q4_0, Q4_1 and Q4_K onto int4 with group 32
+(every 32-value run of these has one scale and one offset: Q4_0's
+(q - 8) * d is q * d - 8d, Q4_1's q * d + m, and each Q4_K sub-block's
+q * (d * sc) - dmin * m), Q8_0 onto int8 with group 32. The fp32 scales and
+offsets are the products the dequantizers above compute, so
+QuantizedWeight.dequantize() returns the same floats bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+
+from engine.quantized_linear import QuantizedWeight, pack_int4
 
 # ggml type -> (values per block, bytes per block), for the types this module expands.
 BLOCK_SIZES: dict[Q, tuple[int, int]] = {
@@ -166,3 +177,39 @@ def dequantize(raw: np.ndarray, ggml_type: Q, shape: tuple[int, ...], dtype: tor
     blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).copy()).reshape(-1, block_bytes)
     values = _DEQUANTIZERS[ggml_type](blocks)
     return values.reshape(shape).to(dtype)
+
+
+def _int4_fields(ggml_type: Q, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [blocks, values] uint8 0..15, scale and offset [blocks, runs of 32]) with value = q * scale + offset."""
+    if ggml_type == Q.Q4_0:
+        d = _f16(b, 0)
+        return _nibbles(b[:, 2:18]), d, -8 * d
+    if ggml_type == Q.Q4_1:
+        return _nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    scales, mins = _k4_scales(b[:, 4:16])
+    return _k4_values(b[:, 16:144]), scales * d, -(mins * dmin)
+
+
+INT4_EXACT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+INT8_EXACT_TYPES = (Q.Q8_0,)
+
+
+def to_quantized(raw: np.ndarray, ggml_type: Q, shape: tuple[int, int], quantize: str) -> QuantizedWeight | None:
+    """The [rows, cols] matrix `raw` holds as a QuantizedWeight of format `quantize`
+    ("int4" or "int8") with group 32, built from the blocks without expanding
+    them; None when ggml_type has no exact mapping onto that format."""
+    exact = INT4_EXACT_TYPES if quantize == "int4" else INT8_EXACT_TYPES
+    if ggml_type not in exact:
+        return None
+    rows, cols = shape
+    block_bytes = BLOCK_SIZES[ggml_type][1]
+    blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).copy()).reshape(-1, block_bytes)
+    groups = cols // 32
+    if ggml_type == Q.Q8_0:
+        q = blocks[:, 2:34].contiguous().view(torch.int8).reshape(rows, cols)
+        return QuantizedWeight(q, _f16(blocks, 0).reshape(rows, groups), None, 8, 32)
+    q, scales, offsets = _int4_fields(ggml_type, blocks)
+    return QuantizedWeight(
+        pack_int4(q.reshape(rows, cols)), scales.reshape(rows, groups), offsets.reshape(rows, groups), 4, 32
+    )

@@ -4,11 +4,35 @@ file or sharded with an index) or a single GGUF file.
 Each format is a source of (HF tensor name, tensor) pairs; one assignment
 step fuses q/k/v and gate/up, stacks MoE experts as they stream in and checks
 that nothing is missing, so both formats get the same shape and completeness
-checks."""
+checks.
+
+quantize="int8" / "int4" keeps the attention and dense MLP projections
+(qkv_proj, o_proj, gate_up_proj, down_proj) quantized, weight-only
+(engine/quantized_linear.py): they are swapped for QuantizedLinear while the
+model is still on the meta device, so only the packed buffers are ever
+allocated, and each checkpoint tensor is quantized into its rows of the fused
+projection as it streams in (per-row quantization: the same as quantizing the
+fused matrix). int8 has one scale per output channel from a safetensors
+checkpoint (the fastest CPU kernels need that) and one per 32 columns from a
+GGUF file, whose Q8_0 blocks then map exactly; GGUF's Q4_0 / Q4_1 / Q4_K
+blocks go into int4 without expansion (engine/gguf_file.py). What stays in
+the model's dtype, and why:
+
+- embed_tokens: a row gather, no matmul to save; its bytes are read one row
+  per token, not whole per step;
+- lm_head: the logits are what sampling and greedy decoding compare, and the
+  layer most sensitive to weight error (llama.cpp keeps output.weight at 6 or
+  8 bits even in its 4-bit files); tied models share it with embed_tokens;
+- norms, biases, the MoE router (tiny, and routing flips on small errors);
+- MoE experts (Mixtral, Qwen3-MoE): stacked [E, 2I, H] parameters behind a
+  per-expert dispatch that has no quantized path yet; they load in full
+  precision and a warning says so (attention is still quantized).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -17,8 +41,11 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.gguf_file import is_gguf, open_gguf
+from engine.gguf_file import GGUF_GROUP_SIZE, is_gguf, open_gguf
 from engine.model import CausalLM
+from engine.quantized_linear import QUANTIZE_FORMATS, QuantizedLinear, QuantizedWeight, quantize_linears
+
+log = logging.getLogger(__name__)
 
 # HF sub-module name -> (our fused parameter's module name, shard index in the fusion)
 _FUSED = {
@@ -65,12 +92,20 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    quantize: str | None = None,
 ) -> CausalLM:
     """Build the model for the checkpoint's config without initialising weights
     (meta device), then fill it from the checkpoint. path is an HF directory or
     a .gguf file. dtype None means the checkpoint's (float32 for GGUF); a name
     ("bfloat16") works too. progress(done, total) counts shards, or tensors
-    for GGUF."""
+    for GGUF. quantize None keeps every weight in dtype (a GGUF file is
+    dequantized); "int8" / "int4" keeps the linear layers quantized (see the
+    module docstring)."""
+    if quantize is not None and quantize not in QUANTIZE_FORMATS:
+        raise ModelLoadError(
+            f"quantize={quantize!r} is not supported; use None (weights in the model's dtype), "
+            + " or ".join(repr(f) for f in QUANTIZE_FORMATS)
+        )
     path = Path(path)
     gguf = open_gguf(path) if is_gguf(path) else None
     raw_config = gguf.config_dict() if gguf is not None else None
@@ -85,6 +120,10 @@ def load_model(
     try:
         with torch.device("meta"):
             model = CausalLM(config)
+        if quantize is not None:
+            # int8 per output channel from full-precision checkpoints (the faster CPU kernels);
+            # a GGUF file's 32-value blocks map onto groups of 32 (engine/gguf_file.py)
+            _quantize_layers(model, quantize, GGUF_GROUP_SIZE if gguf is not None else None, path)
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
@@ -92,10 +131,27 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_buffers(device)
     if gguf is not None:
-        assign_weights(model, gguf.hf_tensors(dtype, raw_config, progress), str(path))
+        assign_weights(model, gguf.hf_tensors(dtype, raw_config, progress, quantize), str(path))
     else:
         assign_weights(model, safetensors_tensors(path, progress), str(path))
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.finalize()
     return model.eval()
+
+
+def _quantize_layers(model: CausalLM, quantize: str, group_size: int | None, path: Path) -> None:
+    """Swap the projections for empty QuantizedLinear layers (still on meta)."""
+    try:
+        quantize_linears(model, quantize, group_size)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: quantize={quantize!r}: {exc}") from exc
+    if model.config.num_experts:
+        log.warning(
+            "%s: quantize=%r leaves the %d MoE experts of each sparse layer in %s (no quantized expert "
+            "kernel yet); attention and dense MLP layers are quantized", path, quantize,
+            model.config.num_experts, model.embed_tokens.weight.dtype,
+        )
 
 
 def safetensors_tensors(
@@ -111,9 +167,14 @@ def safetensors_tensors(
             progress(file_number, len(files))
 
 
-def assign_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
-    """Copy every (HF name, tensor) into the model, then check nothing is missing."""
+def assign_weights(
+    model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], where: str
+) -> None:
+    """Copy every (HF name, tensor) into the model, then check nothing is missing.
+    A QuantizedLinear's weight is quantized into its rows (or copied, for a
+    QuantizedWeight); a QuantizedWeight for a plain parameter is dequantized."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     config = model.config
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
@@ -128,6 +189,13 @@ def assign_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
         if hf_name.endswith(_IGNORED_SUFFIXES):
             continue
         target, expert, offset, size = _target(hf_name, fused_sizes)
+        layer = quantized.get(target.removesuffix(".weight")) if target.endswith(".weight") else None
+        if layer is not None:
+            _load_quantized(layer, tensor, offset, size, hf_name, where)
+            loaded.add(hf_name)
+            continue
+        if isinstance(tensor, QuantizedWeight) and target in params:
+            tensor = tensor.dequantize(params[target].dtype)
         if target not in params or (expert is not None and expert >= config.num_experts):
             raise ModelLoadError(f"{where}: unexpected tensor {hf_name!r} for a {config.family} model")
         destination = params[target].data if expert is None else params[target].data[expert]
@@ -147,6 +215,26 @@ def assign_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]],
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(f"{where}: checkpoint lacks {len(missing)} tensors: {shown}")
+
+
+def _load_quantized(
+    layer: QuantizedLinear,
+    tensor: torch.Tensor | QuantizedWeight,
+    offset: int,
+    size: int | None,
+    hf_name: str,
+    where: str,
+) -> None:
+    rows = layer.out_features if size is None else size
+    shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, QuantizedWeight) else tuple(tensor.shape)
+    if shape != (rows, layer.in_features):
+        raise ModelLoadError(
+            f"{where}: {hf_name} has shape {shape}, the config implies {(rows, layer.in_features)}"
+        )
+    try:
+        layer.load_rows(offset, tensor)
+    except ValueError as exc:
+        raise ModelLoadError(f"{where}: {hf_name}: {exc}") from exc
 
 
 def _target(hf_name: str, fused_sizes: dict[str, list[int]]) -> tuple[str, int | None, int, int | None]:
@@ -177,7 +265,9 @@ def _expected_hf_names(model: CausalLM, fused_sizes: dict[str, list[int]]) -> It
     unfused = {fused: [hf for hf, (f, _) in _FUSED.items() if f == fused] for fused in ("qkv_proj", "gate_up_proj")}
     if config.family == "phi3":
         unfused = {}
-    for name, _ in model.named_parameters(remove_duplicate=False):
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    names += [f"{name}.weight" for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    for name in names:
         prefix = "" if name.startswith("lm_head") else "model."
         if config.family == "mixtral":
             name = name.replace(".mlp.", ".block_sparse_moe.")

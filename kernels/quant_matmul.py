@@ -1,0 +1,121 @@
+"""Weight-only quantized matmul: y = x @ W^T (+ bias) where W is stored as
+8- or 4-bit integers with per-group float scales (and, for 4 bits, offsets).
+
+Format (the one every path here reads; engine/quantized_linear.py makes it):
+
+- qweight: int8 [N, K] (8 bits), or uint8 [N, K / 2] (4 bits: column 2j in
+  the low nibble of byte j, column 2j + 1 in the high nibble, values 0..15);
+- scales: float32 [N, K / group_size], offsets: float32 [N, K / group_size]
+  or None; W[n, k] = q[n, k] * scales[n, g] + offsets[n, g] with g = k // group_size.
+
+The "q * scale + offset" form (offset = the group's minimum) is the one
+llama.cpp's Q4_1 and Q4_K blocks use, so those map onto it bit for bit; fp32
+scales keep Q4_K's products of an fp16 scale and a 6-bit sub-scale exact.
+
+Dispatch, by the same rule as the other kernels (kernels/__init__.py): the
+Triton kernel (kernels/triton_quant_matmul.py) for CUDA tensors or when
+GENQ_FORCE_TRITON=1 (Triton's interpreter on CPU tensors); otherwise the
+torch reference below, which dequantizes the whole matrix to x's dtype and
+calls F.linear. The reference is also the oracle the Triton kernel and the
+engine's CPU fast paths are tested against.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kernels import FORCE_ENV, triton_enabled
+
+_triton: ModuleType | None = None
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] -> uint8 [N, K] of values 0..15 (even columns from the low nibbles)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers 0..15 (K even) -> uint8 [N, K / 2], the inverse of unpack_int4."""
+    values = values.to(torch.uint8)
+    return values[:, 0::2] | (values[:, 1::2] << 4)
+
+
+def dequantize_weight(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W [N, K] in dtype, computed in fp32 (q * scale + offset) and rounded once.
+    One fp32 buffer, written in place (on CPU this runs per call: it is the fp32 path)."""
+    rows = qweight.shape[0]
+    if bits == 4:
+        values = torch.empty(rows, qweight.shape[1], 2, dtype=torch.float32, device=qweight.device)
+        values[..., 0] = qweight & 0x0F
+        values[..., 1] = qweight >> 4
+    else:
+        values = qweight.float()
+    cols = values.numel() // rows
+    grouped = values.view(rows, cols // group_size, group_size)
+    grouped.mul_(scales.unsqueeze(-1))
+    if offsets is not None:
+        grouped.add_(offsets.unsqueeze(-1))
+    return values.view(rows, cols).to(dtype)
+
+
+def quant_matmul_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear(x, dequantize_weight(...) in x's dtype, bias): x [..., K] -> [..., N]."""
+    return F.linear(x, dequantize_weight(qweight, scales, offsets, bits, group_size, x.dtype), bias)
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, on the path the dispatch rule picks."""
+    if triton_enabled(x):
+        return _triton_module(x).quant_matmul(x, qweight, scales, offsets, bits, group_size, bias)
+    return quant_matmul_reference(x, qweight, scales, offsets, bits, group_size, bias)
+
+
+def _triton_module(x: torch.Tensor) -> ModuleType:
+    """kernels.triton_quant_matmul, importing triton (in interpreter mode for CPU tensors) on first use."""
+    global _triton
+    if _triton is None:
+        if not x.is_cuda:
+            if sys.modules.get("triton") is None:
+                os.environ.setdefault("TRITON_INTERPRET", "1")
+            if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+                raise RuntimeError(
+                    f"{FORCE_ENV}=1 on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                    "before anything imports triton"
+                )
+        try:
+            from kernels import triton_quant_matmul
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ImportError(
+                f"the Triton quantized matmul was requested (CUDA tensors or {FORCE_ENV}=1) but triton "
+                f"cannot be imported: {exc}"
+            ) from exc
+        _triton = triton_quant_matmul
+    return _triton
