@@ -220,6 +220,7 @@ class Generator:
         progress: Callable[[int, int], None] | None = None,
         draft_model_path: str | Path | None = None,
         cache_dtype: str = "auto",
+        quantize: str | None = None,
         **generator_options: Any,
     ) -> Generator:
         """Load model + tokenizer from an HF directory or a .gguf file and size the paged cache
@@ -229,10 +230,12 @@ class Generator:
         draft model for speculative decoding, with a cache of the same pages.
         cache_dtype stores K/V as the model's dtype ("auto") or quantized
         ("fp8", "q8", "q4"; kernels.KV_CACHE_DTYPES), for both caches; the same
-        cache_memory then holds proportionally more tokens."""
+        cache_memory then holds proportionally more tokens. quantize ("int8" or
+        "int4") keeps the main model's linear layers weight-only quantized
+        (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it directly)."""
         device = torch.device(device)
         tokenizer = Tokenizer.from_pretrained(path)
-        model = load_model(path, device, dtype, progress)
+        model = load_model(path, device, dtype, progress, quantize)
         page_size = page_size or DEFAULT_PAGE_SIZE
         model_dtype = model.embed_tokens.weight.dtype
         per_token = KVCache.bytes_per_token(model.config, model_dtype, cache_dtype)

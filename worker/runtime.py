@@ -49,6 +49,8 @@ class Runtime:
             device=settings.device,
             dtype=settings.dtype,
             cache_tokens=settings.cache_tokens,
+            cache_dtype=settings.cache_dtype,
+            quantize=settings.quantize,
             page_size=settings.page_size,
             progress=LoadProgress(logger=log),
             max_batch_size=settings.max_batch_size,
