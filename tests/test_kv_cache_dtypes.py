@@ -20,6 +20,9 @@ from engine.cache import KVCache
 from engine.perplexity import TextScores, score_text
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
+from producer.protocol import TASK_NAME, GenerationResult
+from tests.service import plain_client
+from worker.processes import WorkerProcess
 
 PROSE = Path(__file__).resolve().parent.parent / "bench" / "data" / "prose.txt"
 QUANTIZED = [name for name in kernels.KV_CACHE_DTYPES if name != "auto"]
@@ -116,3 +119,21 @@ def test_a_draft_model_shares_the_quantized_format(tiny_model_factory: Callable[
 def test_an_unknown_cache_dtype_is_refused_naming_the_choices(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="cache_dtype must be one of auto, fp8, q8, q4"):
         Generator.from_pretrained(llama_dir, cache_tokens=256, cache_dtype="int3")
+
+
+def test_a_worker_serves_on_a_quantized_cache_with_quantized_weights(llama_dir: Path, redis_url: str,
+                                                                     tmp_path: Path) -> None:
+    """genq worker --cache-dtype k8v4 --quantize int8 gives the text the engine gives with those settings."""
+    queue = "genq-quantized"
+    prompt = "the cat sat on the mat and then"
+    client = plain_client(redis_url)
+    with WorkerProcess(llama_dir, redis_url, queue, "quantized", tmp_path / "worker.log",
+                       {"cache_tokens": 2048, "page_size": 16, "cache_dtype": "k8v4", "quantize": "int8"}) as worker:
+        worker.wait_ready(client)
+        handle = client.send_task(TASK_NAME, queue=queue, kwargs={"prompt": prompt, "max_new_tokens": 16,
+                                                                  "ignore_eos": True})
+        served = GenerationResult.from_dict(handle.get(timeout=120))
+    engine = Generator.from_pretrained(llama_dir, cache_tokens=2048, page_size=16, cache_dtype="k8v4",
+                                       quantize="int8")
+    ids = engine.tokenizer.encode(prompt)
+    assert served.token_ids == greedy(engine, [ids], 16)[0]
