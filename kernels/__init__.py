@@ -20,6 +20,7 @@ write_kv / paged_attention then take the caches' scales too.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from types import ModuleType
@@ -44,7 +45,6 @@ __all__ = [
 ]
 
 FORCE_ENV = "GENQ_FORCE_TRITON"
-_triton: ModuleType | None = None
 
 
 def _forced() -> bool:
@@ -56,28 +56,32 @@ def triton_enabled(x: torch.Tensor) -> bool:
     return x.is_cuda or _forced()
 
 
+def triton_module(x: torch.Tensor, name: str) -> ModuleType:
+    """kernels.<name>, a module of Triton kernels, imported on first use: for CPU tensors in
+    Triton's interpreter (TRITON_INTERPRET=1 is set if triton is not imported yet; imported
+    without it is an error), so triton is never imported unless its path is taken."""
+    module = sys.modules.get(f"kernels.{name}")
+    if module is not None:
+        return module
+    if not x.is_cuda:
+        if sys.modules.get("triton") is None:  # not imported yet
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+            raise RuntimeError(
+                f"{FORCE_ENV}=1 on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before anything imports triton"
+            )
+    try:
+        return importlib.import_module(f"kernels.{name}")
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            f"the Triton path was requested (CUDA tensors or {FORCE_ENV}=1) but kernels.{name} "
+            f"cannot be imported: {exc}"
+        ) from exc
+
+
 def _impl(x: torch.Tensor) -> ModuleType:
-    if not triton_enabled(x):
-        return reference
-    global _triton
-    if _triton is None:
-        if not x.is_cuda:
-            if sys.modules.get("triton") is None:  # not imported yet
-                os.environ.setdefault("TRITON_INTERPRET", "1")
-            if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
-                raise RuntimeError(
-                    f"{FORCE_ENV}=1 on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                    "before anything imports triton"
-                )
-        try:
-            from kernels import triton_kernels
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ImportError(
-                f"the Triton kernel path was requested (CUDA tensors or {FORCE_ENV}=1) but triton "
-                f"cannot be imported: {exc}"
-            ) from exc
-        _triton = triton_kernels
-    return _triton
+    return triton_module(x, "triton_kernels") if triton_enabled(x) else reference
 
 
 def rms_norm(

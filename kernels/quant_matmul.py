@@ -22,16 +22,10 @@ engine's CPU fast paths are tested against.
 
 from __future__ import annotations
 
-import os
-import sys
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 
-from kernels import FORCE_ENV, triton_enabled
-
-_triton: ModuleType | None = None
+from kernels import triton_enabled, triton_module
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -94,28 +88,5 @@ def quant_matmul(
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, on the path the dispatch rule picks."""
     if triton_enabled(x):
-        return _triton_module(x).quant_matmul(x, qweight, scales, offsets, bits, group_size, bias)
+        return triton_module(x, "triton_quant_matmul").quant_matmul(x, qweight, scales, offsets, bits, group_size, bias)
     return quant_matmul_reference(x, qweight, scales, offsets, bits, group_size, bias)
-
-
-def _triton_module(x: torch.Tensor) -> ModuleType:
-    """kernels.triton_quant_matmul, importing triton (in interpreter mode for CPU tensors) on first use."""
-    global _triton
-    if _triton is None:
-        if not x.is_cuda:
-            if sys.modules.get("triton") is None:
-                os.environ.setdefault("TRITON_INTERPRET", "1")
-            if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
-                raise RuntimeError(
-                    f"{FORCE_ENV}=1 on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                    "before anything imports triton"
-                )
-        try:
-            from kernels import triton_quant_matmul
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ImportError(
-                f"the Triton quantized matmul was requested (CUDA tensors or {FORCE_ENV}=1) but triton "
-                f"cannot be imported: {exc}"
-            ) from exc
-        _triton = triton_quant_matmul
-    return _triton
