@@ -406,7 +406,6 @@ def check_engine() -> None:
     import tempfile
     from pathlib import Path
 
-    import kernels
     from engine.tiny_model import make_tiny_model
     from tests.conftest import make_hf_model
     from tests.test_engine_vs_transformers import VARIANTS
