@@ -199,3 +199,27 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip() == "24 cases"
+
+
+def compile_quant_matmul_kernels() -> None:
+    """Compile the dequantize-matmul kernel for sm_90 (bf16 activations): int4 with offsets and
+    int8, at the decode and the prefill tile shapes; run with TRITON_INTERPRET unset."""
+    from kernels import triton_quant_matmul as tq
+    from tests.kernel_compile_check import compile_one
+
+    for bits, weights in ((4, "*u8"), (8, "*i8")):
+        for block_m, block_n, block_k in ((16, 64, 128), (64, 64, 64)):
+            signature = {"x_ptr": "*bf16", "q_ptr": weights, "s_ptr": "*fp32", "o_ptr": "*fp32", "b_ptr": "*bf16",
+                         "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                         "stride_qn": "i32", "stride_sn": "i32", "stride_om": "i32"}
+            compile_one(f"quant_matmul int{bits} {block_m}x{block_n}x{block_k}", tq._quant_matmul_kernel, signature,
+                        {"GROUP": 32, "BITS": bits, "HAS_OFFSETS": bits == 4, "HAS_BIAS": True, "IEEE": False,
+                         "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k})
+
+
+def test_the_dequantize_matmul_kernel_compiles_for_an_sm90_gpu_without_one() -> None:
+    from tests.test_kernels import run_python
+
+    code = "from tests.test_quantized_linear import compile_quant_matmul_kernels; compile_quant_matmul_kernels()"
+    out = run_python(["-c", code], {})
+    assert out.count("compiled for sm_90") == 4, out
