@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import Constraint, Generator, Job, JobRejected, SamplerSettings
+from engine import Constraint, EngineOutput, Generator, Job, JobRejected, SamplerSettings
 from engine.banned_strings import BannedStringGuard
+from tests.engine_runs import run_streamed
 
 
 def test_the_guard_holds_whole_pieces_that_may_begin_a_banned_string() -> None:
@@ -49,18 +50,10 @@ def test_flush_releases_a_held_beginning() -> None:
     assert guard.flush() == "abc"
 
 
-def greedy_text(generator: Generator, prompt: list[int], tokens: int, **job: object) -> tuple[str, list[str], object]:
-    serial = generator.enqueue(Job(prompt, tokens, stop_conditions=[], **job))  # type: ignore[arg-type]
-    chunks: list[str] = []
-    final = None
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.serial == serial and result.stage.value in ("streaming", "eos"):
-                chunks.append(result.text)
-                if result.eos:
-                    final = result
-    assert final is not None
-    return final.full_completion, chunks, final
+def greedy_text(generator: Generator, prompt: list[int], tokens: int, **job: object
+                ) -> tuple[str, list[str], EngineOutput]:
+    final, chunks = run_streamed(generator, Job(prompt, tokens, stop_conditions=[], **job))  # type: ignore[arg-type]
+    return final.full_completion or "", chunks, final
 
 
 def banned_span(text: str) -> str:

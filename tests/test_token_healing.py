@@ -8,19 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import Constraint, Generator, Job, JobRejected
+from engine import Constraint, EngineOutput, Generator, Job, JobRejected
+from tests.engine_runs import run_streamed
 
 
-def final_result(generator: Generator, job: Job) -> object:
-    serial = generator.enqueue(job)
-    chunks: list[str] = []
-    final = None
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.serial == serial and result.stage.value in ("streaming", "eos"):
-                chunks.append(result.text)
-                final = result if result.eos else final
-    assert final is not None and "".join(chunks) == final.full_completion
+def final_result(generator: Generator, job: Job) -> EngineOutput:
+    """Run the job alone; its final result, once the streamed chunks are checked to add up to it."""
+    final, chunks = run_streamed(generator, job)
+    assert "".join(chunks) == final.full_completion
     return final
 
 
