@@ -191,8 +191,9 @@ _workspace = threading.local()
 def _gather_buffer(slot: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A reusable buffer for gathered pages. Allocating tens of MB per layer
     would page-fault fresh memory on every call, which costs more on CPU than
-    the copy itself."""
-    key = (slot, dtype, device)
+    the copy itself. A buffer made under torch.inference_mode (the engine's
+    forward) cannot be written in place outside it, so each mode has its own."""
+    key = (slot, dtype, device, torch.is_inference_mode_enabled())
     buffers = getattr(_workspace, "buffers", None)
     if buffers is None:
         buffers = _workspace.buffers = {}
