@@ -129,6 +129,12 @@ class BatchSampler:
         self._banning.pop(serial, None)
         self._healing.pop(serial, None)
 
+    @property
+    def _bans_pending(self) -> bool:
+        """Whether a job with banned strings has had a rewind (only then has it tokens to ban),
+        so such jobs stay on the plain-argmax path until one happens."""
+        return any(sequence.banned_at for sequence in self._banning.values())
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
         """One token per row ([B] int64 on the device); a row that no token can be
@@ -140,7 +146,7 @@ class BatchSampler:
         wanted = [i for i, slot in enumerate(slots) if slot in self._logprobs_wanted] if self._logprobs_wanted else []
         healing = [i for i, s in enumerate(sequences) if s.serial in self._healing and s.num_generated == 0
                    ] if self._healing else []
-        if (not self._sampled and not self._edited and not self._suppressing and not self._banning
+        if (not self._sampled and not self._edited and not self._suppressing and not self._bans_pending
                 and not constrained and not healing):
             ids = logits.argmax(dim=-1)
             self.last_logprobs = self._logprobs(logits, ids, index, wanted, sequences) if wanted else None
@@ -278,7 +284,7 @@ class BatchSampler:
                 inputs.frequency_penalty = params[:, _FREQUENCY]
                 inputs.presence_penalty = params[:, _PRESENCE]
                 inputs.counts = self.counts[index]
-        if self._suppressing or self._banning:
+        if self._suppressing or self._bans_pending:
             inputs.masked = self._suppressed(sequences)
         self.extras.fill(inputs, index, slots, sequences)
         return inputs
@@ -304,7 +310,7 @@ class BatchSampler:
         for serial, sequence in list(self._suppressing.items()):
             if sequence.num_generated >= sequence.job.min_new_tokens:
                 del self._suppressing[serial]
-        if not self._suppressing and not self._banning:
+        if not self._suppressing and not self._bans_pending:
             return None
         rows: list[int] = []
         ids: list[int] = []
