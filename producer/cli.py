@@ -45,7 +45,7 @@ TIMEOUT_GRACE_S = 10.0
 """`submit --timeout S` makes S the request's deadline, and waits S plus this much for its end
 (a worker that stops at the deadline still has to report it)."""
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")
-REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority")
+REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority", "n")
 
 
 class UsageError(Exception):
@@ -103,6 +103,9 @@ def _submit(client: GenqClient, args: argparse.Namespace) -> int:
     if args.timeout is not None:
         request["deadline"] = time.time() + args.timeout
         wait = args.timeout + TIMEOUT_GRACE_S
+    if args.stream and not args.json and request.get("n", 1) > 1:
+        raise UsageError("--stream shows one text: with --n above 1 add --json (every chunk carries its sample's "
+                         "index) or leave --stream out (each sample is printed at the end)")
     handle = client.submit(request)
     if args.detach:
         handle.close()
@@ -284,6 +287,12 @@ def status_line(event: StreamEvent) -> str:
 def _print_result(result: GenerationResult, as_json: bool) -> int:
     if as_json:
         print(result.model_dump_json(), flush=True)
+    elif result.choices is not None:
+        for choice in result.choices:
+            _end_line()
+            _say(f"[sample {choice.index}: {choice.finish_reason}]")
+            _write(choice.text)
+        _end_line()
     else:
         _write(result.text)
         _end_line()

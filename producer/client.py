@@ -367,6 +367,8 @@ class TextAssembler:
         if event.attempt != self._attempt:
             self._attempt, self._attempt_parts, self._attempt_len = event.attempt, [], 0
         if event.event == "chunk":
+            if event.index:  # a request with n > 1: the text shown is sample 0's, as the final event's text
+                return ""
             new = event.text
         elif event.is_terminal:
             new = event.text[self._attempt_len:]  # the whole text: what no chunk carried (stream disabled)
@@ -472,7 +474,9 @@ class GenerationHandle:
 
         Raises GenerationError if the generation fails, StreamRestarted if a redelivered attempt
         generates a different text (a greedy or seeded request regenerates the same one and the
-        stream simply continues). A cancelled request ends with the text generated so far."""
+        stream simply continues). A cancelled request ends with the text generated so far.
+        A request with n > 1 streams sample 0 (events() has every sample's chunks, result() their
+        texts)."""
         assembler = TextAssembler(self.id)
         for event in self.events(timeout):
             text = assembler.feed(event)

@@ -64,6 +64,7 @@ __all__ = [
     "MAX_METADATA_KEYS",
     "MAX_METADATA_KEY_CHARS",
     "MAX_METADATA_VALUE_CHARS",
+    "MAX_N",
     "MAX_NEW_TOKENS",
     "MAX_PRIORITY",
     "MAX_PROMPT_CHARS",
@@ -87,6 +88,7 @@ __all__ = [
     "TERMINAL_EVENTS",
     "XTC_SPARED",
     "ChatMessage",
+    "Choice",
     "ChoiceConstraint",
     "ControlMessage",
     "EventType",
@@ -178,6 +180,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_CONSTRAINT_CHARS = 65_536
 """Bounds the text of a JSON Schema (as JSON), a regex or a grammar: compiling is per request."""
 MAX_CHOICES = 256
+MAX_N = 16
+"""Parallel samples one request may ask for (`n`); each costs a batch row of its own."""
 MAX_CHOICE_CHARS = 1024
 MAX_ABS_SKEW = 10.0
 MAX_CONTEXT_SPAN = 2**31 - 1
@@ -474,6 +478,8 @@ class GenerationRequest(_Input):
         default_factory=list, description="text the output never contains (the engine rewinds; exllamav2's)")
     token_healing: bool = Field(False, description="regenerate the prompt's last token among those beginning "
                                                    "with its text (exllamav2's)")
+    n: int = Field(1, ge=1, le=MAX_N, description="parallel samples of the prompt, which is computed once; "
+                                                 "sample i is seeded seed + i, its chunks carry index i")
 
     @field_validator("messages")
     @classmethod
@@ -644,12 +650,24 @@ class TokenLogprob(_Output):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class Choice(_Output):
+    """One of the n samples of a request with n > 1, on its final event and in its result."""
+
+    index: int = Field(ge=0, lt=MAX_N)
+    text: str
+    token_ids: list[TokenId] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason
+
+
 class StreamEvent(_Output):
     """One message on a request's channel and replay stream (the same JSON on both).
 
     Per attempt: `started` (seq 0), `chunk`s, then exactly one terminal event whose text is the
     concatenation of that attempt's chunk texts. seq is contiguous from 0 within an attempt;
-    attempt grows by one each time the task is redelivered."""
+    attempt grows by one each time the task is redelivered. With n > 1 every chunk carries the
+    `index` of its sample, the terminal event's `choices` hold each sample's whole text, and its
+    top-level text is sample 0's (the concatenation of the chunks with index 0)."""
 
     id: Identifier
     seq: int = Field(ge=0)
@@ -662,9 +680,15 @@ class StreamEvent(_Output):
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None
+    index: int | None = Field(None, ge=0, lt=MAX_N)
+    choices: list[Choice] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> StreamEvent:
+        if self.index is not None and self.event != "chunk":
+            raise PydanticCustomError("event_rules", "index: only chunk events carry one", {})
+        if self.choices is not None and self.event not in ("done", "cancelled"):
+            raise PydanticCustomError("event_rules", "choices: only done and cancelled events carry them", {})
         allowed = _FINISH_REASONS_BY_EVENT.get(self.event)
         if allowed is None and self.finish_reason is not None:
             raise PydanticCustomError("event_rules", "finish_reason: only terminal events carry one, got {reason}",
@@ -704,6 +728,9 @@ class GenerationResult(_Output):
     usage: Usage
     timings: Timings
     metadata: Metadata = Field(default_factory=dict, description="the request's, unchanged")
+    choices: list[Choice] | None = Field(None, description="n > 1: every sample, by index (the top-level "
+                                                            "text, token_ids, logprobs and finish_reason are "
+                                                            "choice 0's)")
 
     @field_validator("finish_reason")
     @classmethod

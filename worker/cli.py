@@ -344,6 +344,9 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
                         help="a string the output never contains (repeatable; the worker rewinds)")
     submit.add_argument("--token-healing", dest="token_healing", action="store_true",
                         help="regenerate the prompt's last token (for prompts cut mid-word)")
+    submit.add_argument("--n", type=int, metavar="N",
+                        help="N samples of the prompt (1 to 16; seeds seed, seed + 1, ...), each printed under "
+                             "a [sample i] line")
     submit.add_argument("--id", help="the request identifier (default: a new UUID)")
     submit.add_argument("--priority", type=int, metavar="P", help="0 (served first) to 9")
     submit.add_argument("--timeout", type=float, metavar="S",

@@ -20,6 +20,7 @@ from typing import Any
 from engine import EngineOutput, FinishReason, Generator, Job, JobRejected, QueueFull, Stage
 from engine.outputs import TokenLogprob as EngineTokenLogprob
 from producer.protocol import (
+    Choice,
     GenerationRequest,
     GenerationResult,
     StreamEvent,
@@ -29,6 +30,7 @@ from producer.protocol import (
     Usage,
     finish_reason_from_eos,
 )
+from producer.protocol import FinishReason as FinishReasonName
 from worker.publisher import Publisher, PublishingThread
 
 log = logging.getLogger(__name__)
@@ -45,11 +47,15 @@ class ShuttingDown(RuntimeError):
 @dataclass
 class Submission:
     """A validated request on its way through the engine. The task thread
-    waits on `done`; then exactly one of result / error / requeue / duplicate is set."""
+    waits on `done`; then exactly one of result / error / requeue / duplicate is set.
+
+    `jobs` holds one engine job, or the request's n samples (Job.samples: identifiers
+    (identifier, i)), enqueued together so that they share the prompt's pages; the request
+    ends when every sample has, and `outputs` keeps each sample's final engine output."""
 
     identifier: str
     attempt: int
-    job: Job
+    jobs: list[Job]
     request: GenerationRequest
     deadline: float | None
     task_id: str = ""
@@ -61,19 +67,21 @@ class Submission:
     duplicate: bool = False
     seq: int = 0
     expired: bool = False
+    started: bool = False
+    outputs: dict[int, EngineOutput] = field(default_factory=dict)
 
     def event(self, kind: str, **fields: Any) -> StreamEvent:
         event = StreamEvent(id=self.identifier, seq=self.seq, attempt=self.attempt, event=kind, **fields)
         self.seq += 1
         return event
 
-    def chunk(self, text: str, token_ids: list[int] | None, logprobs: list[TokenLogprob] | None = None
-              ) -> StreamEvent:
+    def chunk(self, text: str, token_ids: list[int] | None, logprobs: list[TokenLogprob] | None = None,
+              index: int | None = None) -> StreamEvent:
         """The per-token event, built without validation: every field comes from this
         worker (a checked identifier, its own counters, the engine's text and ids), and
         validating it cost more than the rest of the event's path."""
         event = StreamEvent.model_construct(id=self.identifier, seq=self.seq, attempt=self.attempt, event="chunk",
-                                            text=text, token_ids=token_ids, logprobs=logprobs)
+                                            text=text, token_ids=token_ids, logprobs=logprobs, index=index)
         self.seq += 1
         return event
 
@@ -228,19 +236,20 @@ class EngineLoop:
                 submission.expired = True
             else:
                 continue
-            self.generator.cancel(submission.job)
+            for job in submission.jobs:
+                self.generator.cancel(job)
         self.counters.peak_active_jobs = max(self.counters.peak_active_jobs, self.generator.num_active_jobs())
         results = self.generator.iterate()
         self.counters.steps += 1
         generated = 0
         for result in results:
-            submission = self._active.get(result.identifier)
+            identifier, index = _sample_of(result.identifier)
+            submission = self._active.get(identifier)
             if submission is None:
                 continue
             generated += len(result.token_ids)
-            self._translate(submission, result, events)
-            if result.eos:
-                del self._active[submission.identifier]
+            if self._translate(submission, index, result, events):
+                del self._active[identifier]
                 finished.append(submission)
         if generated:
             self._recent_tokens.append((time.monotonic(), generated))
@@ -278,7 +287,7 @@ class EngineLoop:
             finished.append(submission)
         else:
             try:
-                self.generator.enqueue(submission.job)
+                self.generator.enqueue(submission.jobs)
             except (JobRejected, QueueFull) as error:
                 self._reject(submission, str(error), events, finished)
                 return
@@ -291,70 +300,101 @@ class EngineLoop:
         events.append(submission.event("error", finish_reason="error", error=message))
         finished.append(submission)
 
-    def _translate(self, submission: Submission, result: EngineOutput, events: list[StreamEvent]) -> None:
-        """Engine result -> stream events; on eos, also the task's final result."""
+    def _translate(self, submission: Submission, index: int, result: EngineOutput, events: list[StreamEvent]
+                   ) -> bool:
+        """One sample's engine result -> stream events; True when the request has ended (its
+        final event and, unless it failed or is requeued, its result are made)."""
         options = submission.request.stream
-        token_ids = result.token_ids if options.include_token_ids else None
         if result.stage is Stage.STARTED:
-            events.append(submission.event("started"))
-            return
+            if not submission.started:
+                submission.started = True
+                events.append(submission.event("started"))
+            return False
+        token_ids = result.token_ids if options.include_token_ids else None
         logprobs = self._wire_logprobs(result.logprobs) if result.logprobs else None
         if options.enabled and (result.text or token_ids or logprobs):
-            events.append(submission.chunk(result.text, token_ids, logprobs))
+            events.append(submission.chunk(result.text, token_ids, logprobs,
+                                           index if submission.request.n > 1 else None))
         if not result.eos:
-            return
-        if submission.requeue:
-            self.counters.requeued += 1
-            return
-        reason = result.eos_reason
-        if reason is FinishReason.ERROR:  # this job alone failed in the step; the others carry on
+            return False
+        if result.eos_reason is FinishReason.ERROR and not submission.requeue:
+            # This sample alone failed in the step (the batch carries on); its siblings stop too.
+            for job in submission.jobs:
+                self.generator.cancel(job)
             self.counters.failed += 1
             submission.error = result.error or "engine error"
             events.append(submission.event("error", finish_reason="error", error=submission.error))
-            return
+            return True
+        submission.outputs[index] = result
+        if len(submission.outputs) < len(submission.jobs):
+            return False
+        if submission.requeue:
+            self.counters.requeued += 1
+        else:
+            self._finish(submission, events)
+        return True
+
+    def _finish(self, submission: Submission, events: list[StreamEvent]) -> None:
+        """The final event and result of a request whose samples have all ended."""
+        outputs = [submission.outputs[i] for i in range(len(submission.jobs))]
+        choices = [self._choice(submission, i, output) for i, output in enumerate(outputs)]
         if submission.expired:
             finish_reason, kind = "deadline", "done"
             self.counters.expired += 1
-        elif reason is FinishReason.CANCELLED:
+        elif any(output.eos_reason is FinishReason.CANCELLED for output in outputs):
             finish_reason, kind = "cancelled", "cancelled"
             self.counters.cancelled += 1
         else:
-            finish_reason, kind = finish_reason_from_eos(reason), "done"
+            finish_reason, kind = choices[0].finish_reason, "done"
             self.counters.completed += 1
+        first = outputs[0]
         usage = Usage(
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.new_tokens,
-            cached_tokens=result.cached_tokens,
+            prompt_tokens=first.prompt_tokens,
+            completion_tokens=sum(output.new_tokens or 0 for output in outputs),
+            cached_tokens=first.cached_tokens,
         )
-        timings = Timings(queued_s=result.time_enqueued, prefill_s=result.time_prefill,
-                          generate_s=result.time_generate)
+        timings = Timings(queued_s=first.time_enqueued, prefill_s=first.time_prefill,
+                          generate_s=max(output.time_generate or 0.0 for output in outputs))
         if self.on_finished is not None:
             self.on_finished(timings, usage)
-        text = result.full_completion or ""
-        completion_logprobs = (self._wire_logprobs(result.completion_logprobs)
-                               if result.completion_logprobs is not None else None)
+        include_ids = submission.request.stream.include_token_ids
+        many = submission.request.n > 1
         events.append(
             submission.event(
                 kind,
-                text=text,
-                token_ids=result.completion_ids if options.include_token_ids else None,
-                logprobs=completion_logprobs,
+                text=choices[0].text,
+                token_ids=choices[0].token_ids if include_ids else None,
+                logprobs=choices[0].logprobs,
                 finish_reason=finish_reason,
                 usage=usage,
                 timings=timings,
+                choices=[c if include_ids else c.model_copy(update={"token_ids": None}) for c in choices]
+                if many else None,
             )
         )
         submission.result = GenerationResult(
             id=submission.identifier,
             attempt=submission.attempt,
-            text=text,
-            token_ids=result.completion_ids or [],
-            logprobs=completion_logprobs,
+            text=choices[0].text,
+            token_ids=choices[0].token_ids or [],
+            logprobs=choices[0].logprobs,
             finish_reason=finish_reason,
             usage=usage,
             timings=timings,
             metadata=submission.request.metadata,
+            choices=choices if many else None,
         )
+
+    def _choice(self, submission: Submission, index: int, output: EngineOutput) -> Choice:
+        """A sample's whole output; a sample the deadline cut ends in "deadline"."""
+        if output.eos_reason is FinishReason.CANCELLED and submission.expired:
+            finish_reason: str = "deadline"
+        else:
+            finish_reason = finish_reason_from_eos(output.eos_reason)
+        logprobs = (self._wire_logprobs(output.completion_logprobs)
+                    if output.completion_logprobs is not None else None)
+        return Choice(index=index, text=output.full_completion or "", token_ids=output.completion_ids or [],
+                      logprobs=logprobs, finish_reason=finish_reason)
 
     def _wire_logprobs(self, logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
         """The engine's logprobs with each token's text, built without re-validation (as chunk())."""
@@ -374,7 +414,8 @@ class EngineLoop:
         failed = list(self._active.values())
         self._active.clear()
         for submission in failed:
-            self.generator.cancel(submission.job)
+            for job in submission.jobs:
+                self.generator.cancel(job)
             self._reject(submission, message, events, [])
         self.publishing.submit(events, then=lambda: _wake(failed))
 
@@ -384,13 +425,23 @@ def _wake(submissions: list[Submission]) -> None:
         submission.done.set()
 
 
-def _empty_result(submission: Submission, finish_reason: str) -> GenerationResult:
+def _sample_of(identifier: object) -> tuple[object, int]:
+    """(request identifier, sample index) of an engine result: Job.samples names its
+    children (identifier, i); a lone job is sample 0."""
+    if isinstance(identifier, tuple):
+        return identifier[0], identifier[1]
+    return identifier, 0
+
+
+def _empty_result(submission: Submission, finish_reason: FinishReasonName) -> GenerationResult:
+    choices = [Choice(index=i, text="", finish_reason=finish_reason) for i in range(submission.request.n)]
     return GenerationResult(
         id=submission.identifier,
         attempt=submission.attempt,
         text="",
         finish_reason=finish_reason,
-        usage=Usage(prompt_tokens=len(submission.job.input_ids)),
+        usage=Usage(prompt_tokens=len(submission.jobs[0].input_ids)),
         timings=Timings(),
         metadata=submission.request.metadata,
+        choices=choices if submission.request.n > 1 else None,
     )

@@ -83,7 +83,8 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, kwargs: d
     deadline = request.deadline
     if request.timeout_s is not None:
         deadline = time.time() + request.timeout_s
-    submission = Submission(identifier, attempt, job, request, deadline, self.request.id, cancel_requested)
+    jobs = job.samples(request.n) if request.n > 1 else [job]
+    submission = Submission(identifier, attempt, jobs, request, deadline, self.request.id, cancel_requested)
     try:
         runtime.loop.submit(submission)
     except ShuttingDown:
