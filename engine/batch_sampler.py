@@ -120,7 +120,7 @@ class BatchSampler:
         if slot is None:
             return
         self._free.append(slot)
-        self.extras.release(serial, slot)
+        self.extras.release(slot)
         self._sampled.discard(slot)
         self._edited.discard(slot)
         self._constrained.discard(slot)

@@ -7,10 +7,13 @@ nothing for them:
 
 - the numbers of ROW_PARAMS (typical, tfs, skew, ...) for every slot, read only when
   some running job uses one of those steps;
-- mirostat's mu per slot, updated on the device from each draw, and parked under the
-  job's Sequence when its slot is released (weakly: a finished job leaves nothing), so a
-  preempted job resumes with the mu it had, as its seed and draw counter let it resume
-  its random stream;
+- mirostat's mu per slot, updated on the device from each draw, with the job's mu before
+  each of its tokens kept under its Sequence (weakly: a finished job leaves nothing): a job
+  that takes a slot again with n tokens generated resumes with the mu it had before token
+  n, as its seed and draw counter let it resume its random stream. So a preempted job goes
+  on with its mu, and a banned-string rewind to token n also takes mu back to token n
+  (the token drawn there again sees the mu it first saw, not one moved by tokens since
+  taken back);
 - the ids XTC never excludes, as a [slots, V] mask built when a job first names some;
 - which slots need their context each step: a repetition penalty with a range (its
   weights depend on where tokens are, not only on whether they occur) and DRY. Those
@@ -42,9 +45,10 @@ class SlotExtras:
         self._later: set[int] = set()  # slots whose sampled rows run steps 4 (smoothing) or 8-13
         self._windowed: set[int] = set()  # repetition_penalty_range
         self._drying: set[int] = set()
-        self._mirostat: dict[int, Sequence] = {}  # serial -> its sequence, to park mu on release
-        # mu of a job whose slot was released while it goes on (preempted): until it is back
-        self._parked_mu: WeakKeyDictionary[Sequence, torch.Tensor] = WeakKeyDictionary()
+        self._mirostat: dict[int, Sequence] = {}  # slot -> its mirostat job
+        # a mirostat job's mu before each of its generated tokens (entry n: before token n)
+        self._mu_history: WeakKeyDictionary[Sequence, list[torch.Tensor]] = WeakKeyDictionary()
+        self._mirostat_rows: list[tuple[int, Sequence]] = []  # the last filled batch's mirostat rows
 
     def add(self, slot: int, sequence: Sequence) -> None:
         """A job took the slot: write its numbers, its mu and its XTC mask there."""
@@ -61,9 +65,12 @@ class SlotExtras:
         if sampled and settings.mirostat:
             if self.mirostat_mu is None:
                 self.mirostat_mu = torch.zeros(self.row_params.shape[0], device=self.device)
-            parked = self._parked_mu.pop(sequence, None)
-            self.mirostat_mu[slot] = parked if parked is not None else 2.0 * settings.mirostat_tau
-            self._mirostat[sequence.serial] = sequence
+            history = self._mu_history.setdefault(sequence, [])
+            if not history:
+                history.append(torch.tensor(2.0 * settings.mirostat_tau, device=self.device))
+            del history[len(sequence.output_ids) + 1 :]
+            self.mirostat_mu[slot] = history[-1]
+            self._mirostat[slot] = sequence
         if sampled and settings._xtc and settings.xtc_ignore_tokens and self.xtc_ignore is None:
             self.xtc_ignore = torch.zeros(self.row_params.shape[0], self.vocab_size, dtype=torch.bool,
                                           device=self.device)
@@ -72,18 +79,18 @@ class SlotExtras:
             if sampled and settings._xtc and settings.xtc_ignore_tokens:
                 self.xtc_ignore[slot, list(settings.xtc_ignore_tokens)] = True
 
-    def release(self, serial: int, slot: int) -> None:
-        """The job left its slot; a mirostat job's mu waits on its sequence in case it comes back."""
+    def release(self, slot: int) -> None:
+        """The job left its slot (a mirostat job's mu history stays with its sequence)."""
         self._settings.pop(slot, None)
         self._later.discard(slot)
         self._windowed.discard(slot)
         self._drying.discard(slot)
-        sequence = self._mirostat.pop(serial, None)
-        if sequence is not None and self.mirostat_mu is not None:
-            self._parked_mu[sequence] = self.mirostat_mu[slot].clone()
+        self._mirostat.pop(slot, None)
 
     def fill(self, inputs: BatchInputs, index: torch.Tensor, slots: list[int], sequences: Seq[Sequence]) -> None:
         """Put the batch's extra inputs into inputs (nothing when no running job uses them)."""
+        self._mirostat_rows = [(i, self._mirostat[slot]) for i, slot in enumerate(slots) if slot in self._mirostat
+                               ] if self._mirostat else []
         if self._later:
             inputs.params = self.row_params[index]
             if self.mirostat_mu is not None and self._mirostat:
@@ -103,6 +110,9 @@ class SlotExtras:
                                     self.vocab_size, self.device)
 
     def drawn(self, index: torch.Tensor, mirostat_mu: torch.Tensor | None) -> None:
-        """After a draw: the batch's mirostat mu as choose() moved it."""
+        """After a draw: the batch's mirostat mu as choose() moved it, also recorded as each
+        mirostat job's mu before its next token."""
         if mirostat_mu is not None and self.mirostat_mu is not None:
             self.mirostat_mu[index] = mirostat_mu
+            for row, sequence in self._mirostat_rows:
+                self._mu_history[sequence].append(mirostat_mu[row].clone())

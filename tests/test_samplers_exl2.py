@@ -315,6 +315,26 @@ def test_mirostat_mu_survives_preemption_and_starts_fresh_for_a_new_job():
     assert float(sampler.extras.mirostat_mu[slots[1]]) == 2.0
 
 
+def test_a_rewind_takes_mirostat_mu_back_to_the_token_it_rewinds_to():
+    """A banned-string rewind to token 2 redraws it with the mu token 2 first saw, not with
+    the mu that the tokens since taken back moved it to."""
+    settings = SamplerSettings(mirostat=True, mirostat_tau=1.0, mirostat_eta=0.5)
+    logits = torch.tensor([random_logits(9)])
+    sampler = BatchSampler(1, logits.shape[1], CPU)
+    sequence = make_sequence(settings, seed=5)
+    mu_before = [2.0]
+    for _ in range(5):
+        sequence.append(int(sampler.sample(logits, [sequence])[0]))
+        mu_before.append(float(sampler.extras.mirostat_mu[sampler._slots[sequence.serial]]))
+    assert len(set(mu_before)) > 2
+    drawn = list(sequence.output_ids)
+    sampler.release(sequence.serial)
+    sequence.rewind(2)
+    assert int(sampler.sample(logits, [sequence])[0]) == drawn[2]  # same uniform, same mu: the same draw
+    sequence.append(drawn[2])
+    assert float(sampler.extras.mirostat_mu[sampler._slots[sequence.serial]]) == mu_before[3]
+
+
 def test_xtc_excludes_the_top_choices_but_the_least_likely_of_them_with_its_probability():
     xs = [2.0, 1.8, 1.5, 0.2, 0.0, -1.0]
     ps = softmax(xs)
