@@ -16,12 +16,30 @@ complete text before it is released and the rest is held until later tokens
 finish the character. When steps keep ending inside characters, the read offset
 moves to a character boundary between the held tokens instead, and bytes that
 never complete are released as U+FFFD, so the window stays a few tokens long.
+
+Fast path: for a byte-level BPE tokenizer (GPT-2, Llama-3, Qwen, SmolLM2) decode()
+is the UTF-8 decoding, invalid bytes as U+FFFD, of the concatenated bytes of the
+tokens, so the window's text is the released prefix's text plus the decoding of
+the held bytes and the new ones. While the released text ends on a whole
+character, the new bytes decode cleanly (no U+FFFD) and fewer than
+RESYNC_AFTER_TOKENS tokens are held, add() computes that from a per-token bytes
+table and an incomplete-character byte buffer instead of calling the tokenizer,
+and moves the window exactly as the general path would (same state, same
+chunks); anything else takes the general path for that step. The table is built
+once per tokenizer and checked against the tokenizer's own decode().
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Protocol
+from weakref import WeakKeyDictionary
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders
+
+from engine.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -47,6 +65,74 @@ class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
+# tokenizer -> (its vocabulary size when the tables were built, skip_special_tokens -> table or None)
+_TABLES: WeakKeyDictionary[object, tuple[int, dict[bool, list[bytes] | None]]] = WeakKeyDictionary()
+# Random id sequences decode() must agree with the table on before the table is used.
+_CHECK_SEQUENCES = 64
+
+
+def _byte_level_map() -> dict[str, int]:
+    """The byte-level alphabet's character -> the byte it stands for (GPT-2's bytes_to_unicode, inverted)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {chr(byte): byte for byte in printable} | {chr(256 + i): byte for i, byte in enumerate(others)}
+
+
+def byte_table(tokenizer: object, skip_special_tokens: bool) -> list[bytes] | None:
+    """Each token id's bytes as decode() concatenates them (skipped special tokens: none), or None
+    when decode() is not a plain byte-level decoding (another decoder, a wrapper of its own) or the
+    table disagrees with decode() on any single token or on random sequences."""
+    if isinstance(tokenizer, Tokenizer) and type(tokenizer).decode is Tokenizer.decode:
+        backend = tokenizer.backend
+    elif isinstance(tokenizer, BackendTokenizer):
+        backend = tokenizer
+    else:
+        return None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    built, tables = _TABLES.get(tokenizer, (None, {}))
+    if built != size:
+        tables = {}
+        _TABLES[tokenizer] = (size, tables)
+    if skip_special_tokens not in tables:
+        tables[skip_special_tokens] = _build_table(backend, size, skip_special_tokens)
+    return tables[skip_special_tokens]
+
+
+def _build_table(backend: BackendTokenizer, size: int, skip_special_tokens: bool) -> list[bytes] | None:
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    alphabet = _byte_level_map()
+    added = backend.get_added_tokens_decoder()
+    singles = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=skip_special_tokens)
+    table = []
+    for i in range(size):
+        if i in added:
+            # decode() renders an added token as its text between separately decoded byte runs, which is
+            # the decoding of the concatenation as long as that text is valid, non-empty UTF-8 (or skipped).
+            text = singles[i]
+            skipped = skip_special_tokens and added[i].special
+            if (skipped and text) or (not skipped and (not text or REPLACEMENT_CHAR in text)):
+                return None
+            table.append(text.encode())
+            continue
+        piece = backend.id_to_token(i)
+        if piece is None:
+            table.append(b"")
+        elif all(char in alphabet for char in piece):
+            table.append(bytes(alphabet[char] for char in piece))
+        else:
+            table.append(piece.encode())  # as the ByteLevel decoder does with a token outside its alphabet
+        if table[-1].decode(errors="replace") != singles[i]:
+            return None
+    rng = random.Random(size)
+    sequences = [[rng.randrange(size) for _ in range(rng.randint(2, 12))] for _ in range(_CHECK_SEQUENCES)]
+    decoded = backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+    if any(b"".join(table[t] for t in ids).decode(errors="replace") != text for ids, text in zip(sequences, decoded)):
+        return None
+    return table
+
+
 class IncrementalDetokenizer:
     """Turns a stream of generated token ids into text chunks that never end in a broken character.
 
@@ -67,6 +153,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # The bytes table (module docstring), if the tokenizer has one: decoding without calling it.
+        self._table = byte_table(tokenizer, skip_special_tokens)
         self._window, self._prefix_text = self._initial_context(prompt_ids)
         # window[:read] is released and decodes to prefix_text; window[read:] is held.
         self._read = len(self._window)
@@ -75,6 +163,11 @@ class IncrementalDetokenizer:
         # Start of the last released step's tokens: where the window may be cut without losing context.
         self._cut = 0
         self._chunks: list[str] = []
+        # Whether the fast path (module docstring) applies now, and the held tokens' bytes past
+        # the complete characters already released.
+        self._fast = False
+        self._pending = b""
+        self._check_fast()
 
     @property
     def text(self) -> str:
@@ -92,18 +185,14 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the text they complete (may be "")."""
         if not token_ids:
             return ""
-        held_before = len(self._window) - self._read
-        self._window.extend(int(token) for token in token_ids)
-        text = self._decode(self._window)
-        if not text.endswith(REPLACEMENT_CHAR):
-            return self._emit(self._commit(text))
-        chunk = self._release_complete_part(text)
-        if held_before >= RESYNC_AFTER_TOKENS:
-            resynced = self._resync()
-            if resynced is not None:
-                chunk += resynced
-            elif held_before >= MAX_HELD_TOKENS:
-                chunk += self._commit(text)
+        if self._fast and len(self._window) - self._read < RESYNC_AFTER_TOKENS:
+            chunk = self._add_from_table(token_ids)
+            if chunk is not None:
+                if chunk:
+                    self._chunks.append(chunk)
+                return chunk
+        chunk = self._add_decoding(token_ids)
+        self._check_fast()
         return self._emit(chunk)
 
     def flush(self) -> str:
@@ -111,9 +200,84 @@ class IncrementalDetokenizer:
         comes out as U+FFFD here, as tokenizer.decode() renders it."""
         if self._read == len(self._window):
             return ""
-        return self._emit(self._commit(self._decode(self._window)))
+        chunk = self._commit(self._decode(self._window))
+        self._check_fast()
+        return self._emit(chunk)
+
+    def _add_decoding(self, token_ids: Sequence[int]) -> str:
+        """add() by decoding the window with the tokenizer: the general path."""
+        held_before = len(self._window) - self._read
+        self._window.extend(int(token) for token in token_ids)
+        text = self._decode(self._window)
+        if not text.endswith(REPLACEMENT_CHAR):
+            return self._commit(text)
+        chunk = self._release_complete_part(text)
+        if held_before >= RESYNC_AFTER_TOKENS:
+            resynced = self._resync()
+            if resynced is not None:
+                chunk += resynced
+            elif held_before >= MAX_HELD_TOKENS:
+                chunk += self._commit(text)
+        return chunk
+
+    def _add_from_table(self, token_ids: Sequence[int]) -> str | None:
+        """add() without decoding the window, or None (nothing changed) when the fast path does
+        not apply to these tokens. The window's text is prefix_text + ahead + the decoding of
+        pending + the new bytes: prefix_text ends on a whole character, and ahead is the
+        complete part of the held tokens, pending the rest of their bytes."""
+        table = self._table
+        assert table is not None
+        if len(token_ids) == 1:
+            token = int(token_ids[0])
+            if not 0 <= token < len(table):
+                return None
+            ids = [token]
+            data = self._pending + table[token]
+        else:
+            ids = [int(token) for token in token_ids]
+            if not all(0 <= token < len(table) for token in ids):
+                return None
+            data = self._pending + b"".join([table[token] for token in ids])
+        try:
+            chunk, pending = data.decode(), b""
+        except UnicodeDecodeError as error:
+            # Only an incomplete character at the very end is held; invalid bytes take the general path.
+            if error.end != len(data) or error.reason != "unexpected end of data":
+                return None
+            chunk, pending = data[: error.start].decode(), data[error.start :]
+        if REPLACEMENT_CHAR in chunk:
+            return None  # the general path holds text ending in U+FFFD: let it decide
+        self._window += ids
+        self._pending = pending
+        if pending:  # as _release_complete_part: the complete text is released, the tokens stay held
+            self._ahead += chunk
+            return chunk
+        added, self._ahead = self._ahead + chunk, ""
+        if added:  # as _commit with text = prefix_text + added
+            self._advance(len(self._window), self._prefix_text + added)
+            # A cut window's prefix may start inside a character and so end in U+FFFD.
+            self._check_fast()
+        elif self._prefix_text:
+            del self._window[self._read :]
+        else:
+            self._read = len(self._window)
+        return chunk
+
+    def _check_fast(self) -> None:
+        """The fast path applies from a state with nothing held and a released text that ends
+        on a whole character (an incomplete one would end in U+FFFD)."""
+        self._fast = (self._table is not None and self._read == len(self._window) and not self._ahead
+                      and not self._prefix_text.endswith(REPLACEMENT_CHAR))
+        self._pending = b""
 
     def _decode(self, ids: Sequence[int]) -> str:
+        """decode(ids); from the bytes table when there is one (the same text, without the call)."""
+        table = self._table
+        if table is not None and ids and min(ids) >= 0:
+            try:
+                return b"".join([table[token] for token in ids]).decode(errors="replace")
+            except IndexError:
+                pass
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _initial_context(self, prompt_ids: Sequence[int]) -> tuple[list[int], str]:

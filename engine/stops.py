@@ -3,11 +3,14 @@
 Text that could still turn out to be the start of a stop string is held back
 until it resolves, so a stop string never reaches the client even in part.
 Only the held tail (shorter than the longest stop string) plus the new text is
-searched on each feed, so the cost per chunk does not grow with the output.
+searched on each feed, so the cost per chunk does not grow with the output; and
+with nothing held, a chunk holding none of the stop strings' first characters
+can neither contain nor begin one, so it passes after a single scan.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 
@@ -29,6 +32,8 @@ class StopStringMatcher:
                 raise ValueError(f"stop string at index {index} is empty; an empty stop string would match everywhere")
         # Longest first, so that of two matches starting at the same place the longest is found first.
         self._stops = sorted(set(stop_strings), key=len, reverse=True)
+        firsts = sorted({stop[0] for stop in self._stops})
+        self._first_chars = re.compile("[" + "".join(re.escape(char) for char in firsts) + "]") if firsts else None
         self._held = ""
         self._finished = False
 
@@ -52,6 +57,8 @@ class StopStringMatcher:
         """
         if self._finished:
             return "", None
+        if not self._held and (self._first_chars is None or self._first_chars.search(text) is None):
+            return text, None
         buffer = self._held + text
         if can_stop:
             start, stop = self._earliest_match(buffer)

@@ -146,3 +146,27 @@ def test_released_text_is_everything_before_the_first_stop_for_any_chunking(seed
             released.append(matcher.flush())
         assert "".join(released) == text[:cut]
         assert found == (min(starts, key=starts.get) if starts else None)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_feed_releases_all_but_the_longest_tail_that_could_begin_a_stop(seed: int) -> None:
+    """Feed by feed, against a naive reference; most chunks hold none of the stops' first characters,
+    and a chunk without one may still complete (or break) a held partial match."""
+    stops = ["</answer>", "###", "\n\nQ:"]
+    rng = random.Random(seed)
+    for _ in range(300):
+        matcher = StopStringMatcher(stops)
+        sent, released = "", ""
+        for _ in range(rng.randint(1, 15)):
+            pieces = ["abc ", "x", "</", "answer>", "#", "##", "\n", "Q:", "an"]
+            chunk = "".join(rng.choices(pieces, k=rng.randint(1, 3)))
+            sent += chunk
+            text, stop = matcher.feed(chunk)
+            released += text
+            starts = [sent.find(s) for s in stops if s in sent]
+            if starts:
+                assert stop is not None and released == sent[: min(starts)]
+                break
+            tail = max((k for k in range(1, len(sent) + 1) for s in stops if s.startswith(sent[-k:]) and k < len(s)),
+                       default=0)
+            assert (stop, released, matcher.held) == (None, sent[: len(sent) - tail], sent[len(sent) - tail :])
