@@ -45,7 +45,7 @@ TIMEOUT_GRACE_S = 10.0
 """`submit --timeout S` makes S the request's deadline, and waits S plus this much for its end
 (a worker that stops at the deadline still has to report it)."""
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")
-REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority", "n")
+REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority", "n", "max_skips")
 
 
 class UsageError(Exception):

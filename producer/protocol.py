@@ -70,6 +70,7 @@ __all__ = [
     "MAX_PROMPT_CHARS",
     "MAX_REPETITION_PENALTY",
     "MAX_SEED",
+    "MAX_SKIPS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
     "MAX_STOP_TOKEN_IDS",
@@ -181,6 +182,8 @@ MAX_CONSTRAINT_CHARS = 65_536
 """Bounds the text of a JSON Schema (as JSON), a regex or a grammar: compiling is per request."""
 MAX_CHOICES = 256
 MAX_N = 16
+MAX_SKIPS = 1024
+"""Bound of `max_skips`."""
 """Parallel samples one request may ask for (`n`); each costs a batch row of its own."""
 MAX_CHOICE_CHARS = 1024
 MAX_ABS_SKEW = 10.0
@@ -478,6 +481,8 @@ class GenerationRequest(_Input):
         default_factory=list, description="text the output never contains (the engine rewinds; exllamav2's)")
     token_healing: bool = Field(False, description="regenerate the prompt's last token among those beginning "
                                                    "with its text (exllamav2's)")
+    max_skips: int | None = Field(None, ge=0, le=MAX_SKIPS, description="times a request that does not fit "
+                                  "the cache yet may be passed over by later ones; None = the worker's (16)")
     n: int = Field(1, ge=1, le=MAX_N, description="parallel samples of the prompt, which is computed once; "
                                                  "sample i is seeded seed + i, its chunks carry index i")
 

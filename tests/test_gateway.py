@@ -2,7 +2,6 @@
 gateway under uvicorn (`genq gateway`), a real callback worker (`genq callback-worker`), and
 clients that know nothing of genq: the official openai package, raw HTTP with SSE."""
 
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
@@ -22,24 +21,7 @@ from producer.callbacks import DELIVERY_HEADER
 from producer.client import GenqClient
 from producer.gateway import GatewaySettings, create_app
 from producer.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, sign, verify
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    MODEL,
-    SECRET,
-    TOKEN,
-    Receiver,
-    bearer,
-    callback_worker,
-    celery_client,
-    gateway,
-    gateway_process,
-    genq,
-    model_dir,
-    oai,
-    read_sse,
-    receiver,
-    signed_post,
-    worker,
-)
+from tests.gateway_service import MODEL, SECRET, TOKEN, Receiver, bearer, read_sse, signed_post
 from worker.processes import ChildProcess, WorkerProcess, wait_until
 
 # --- signatures (no server) -------------------------------------------------------------

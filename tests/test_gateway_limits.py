@@ -3,7 +3,6 @@ card, the gateway (a real `genq gateway`, and the app in-process on a queue no w
 that what was queued can be counted) refuses what the worker would refuse with a 400 before a
 stream starts, and lets through what the worker decides."""
 
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
@@ -30,17 +29,7 @@ from engine import Tokenizer
 from producer.gateway import GatewaySettings, create_app
 from producer.gateway.model_limits import CardReader, PromptTokenizer
 from producer.model_card import CARD_TTL_S, WorkerCard, card_key, tokenizer_key
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    MODEL,
-    SECRET,
-    TOKEN,
-    GatewayProcess,
-    bearer,
-    celery_client,
-    read_sse,
-    running_worker,
-    service_env,
-)
+from tests.gateway_service import MODEL, SECRET, TOKEN, GatewayProcess, bearer, read_sse, running_worker, service_env
 from worker.processes import WorkerProcess
 
 QUEUE = "genq-limits"

@@ -3,7 +3,6 @@ gateway under uvicorn, the official openai client): an n > 1 request is n child 
 `<id>-0` ... `<id>-<n-1>` (vLLM v1's parallel sampling), seeds seed + i, answered as one
 response with a choice per child, streamed or not."""
 
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
@@ -22,17 +21,7 @@ from producer.gateway import sse
 from producer.gateway.app import _results
 from producer.gateway.openai_api import MAX_N, CompletionUsage
 from producer.protocol import Usage
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    MODEL,
-    bearer,
-    celery_client,
-    gateway,
-    gateway_process,
-    genq,
-    model_dir,
-    oai,
-    worker,
-)
+from tests.gateway_service import MODEL, bearer
 from worker.processes import WorkerProcess, wait_until
 
 PROMPT = "Once upon a time"

@@ -4,7 +4,6 @@ access through a reused identifier, no access token in the logs, no 500 on hosti
 refused webhook can be retried, callbacks cannot reach internal addresses, and raw Celery
 messages cannot slip past the protocol."""
 
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
@@ -28,23 +27,16 @@ from producer.client import GenqClient
 from producer.gateway.errors import ErrorBody
 from producer.gateway.logs import REDACTED
 from producer.protocol import IDENTIFIER_PATTERN, TASK_NAME, GenerationResult, Timings, Usage, channel_name
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
+from tests.gateway_service import (
     QUEUE,
     SECRET,
     TOKEN,
     GatewayProcess,
     Receiver,
     bearer,
-    celery_client,
-    gateway,
-    gateway_process,
-    genq,
-    model_dir,
     read_sse,
-    receiver,
     service_env,
     signed_post,
-    worker,
 )
 from tests.service import next_event
 from worker.processes import ROOT

@@ -3,7 +3,6 @@ official openai client against a real gateway and worker: response_format json_s
 json_object, the client's parse() with a Pydantic model, vLLM's guided_* extensions, chat and
 completions logprobs in OpenAI's shapes (streamed and not), and a constraint that does not
 compile refused with 400 before anything is queued or streamed."""
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
@@ -19,17 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine import Tokenizer
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    MODEL,
-    bearer,
-    celery_client,
-    gateway,
-    gateway_process,
-    genq,
-    model_dir,
-    oai,
-    worker,
-)
+from tests.gateway_service import MODEL, bearer
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
                                            "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -1,28 +1,20 @@
 """banned_strings and token_healing through the service: the wire protocol, a real worker, the gateway."""
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from celery import Celery
 
+from engine import Tokenizer
 from producer.cli import request_from_args
 from producer.protocol import TASK_NAME, GenerationRequest, GenerationResult, ProtocolError
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    MODEL,
-    QUEUE,
-    bearer,
-    celery_client,
-    gateway,
-    gateway_process,
-    model_dir,
-    oai,
-    worker,
-)
+from tests.gateway_service import MODEL, QUEUE
 from worker.cli import build_parser
+from worker.jobs import build_job
 from worker.processes import WorkerProcess
 
 
@@ -71,3 +63,23 @@ def test_the_cli_sends_banned_strings_and_token_healing() -> None:
     request = request_from_args(args)
     assert request["banned_strings"] == ["As an AI", "x"] and request["token_healing"] is True
     GenerationRequest.parse_payload(request)
+
+
+def test_every_wire_job_field_reaches_the_engine_job(model_dir: Path) -> None:
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    fields = {"max_new_tokens": 9, "min_new_tokens": 2, "decode_special_tokens": True, "priority": 3,
+              "max_skips": 5, "logprobs": True, "top_logprobs": 4, "banned_strings": ["As an AI"],
+              "token_healing": True}
+    request = GenerationRequest.parse_payload({"prompt": "the cat", **fields})
+    job = build_job(request, tokenizer, "id", tokenizer.vocab_size, 1024)
+    for name, value in fields.items():
+        assert getattr(job, name) == (tuple(value) if isinstance(value, list) else value), name
+    assert build_job(GenerationRequest.parse_payload({"prompt": "x"}), tokenizer, "id", tokenizer.vocab_size,
+                     1024).max_skips is None  # the worker's own setting
+
+
+def test_max_skips_is_bounded_and_sent_by_the_cli() -> None:
+    with pytest.raises(ProtocolError, match="max_skips: Input should be less than or equal to 1024"):
+        GenerationRequest.parse_payload({"prompt": "hi", "max_skips": 1025})
+    request = request_from_args(build_parser().parse_args(["submit", "hi", "--max-skips", "0"]))
+    assert GenerationRequest.parse_payload(request).max_skips == 0

@@ -1,5 +1,4 @@
 """The request field `n` through the service: one task, n samples from one real worker."""
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
@@ -12,12 +11,7 @@ from celery import Celery
 from producer.cli import request_from_args
 from producer.client import GenqClient
 from producer.protocol import TASK_NAME, GenerationRequest, GenerationResult, ProtocolError
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    QUEUE,
-    celery_client,
-    model_dir,
-    worker,
-)
+from tests.gateway_service import QUEUE
 from tests.service import replay
 from worker.cli import build_parser
 from worker.processes import WorkerProcess

@@ -14,15 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import Generator, Job
 from producer.client import GenqClient
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    MODEL,
-    celery_client,
-    gateway,
-    gateway_process,
-    genq,
-    oai,
-    worker,
-)
+from tests.gateway_service import MODEL
 
 MAX_NEW_TOKENS = 32
 QUESTIONS = [

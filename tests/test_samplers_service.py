@@ -3,7 +3,6 @@ bad value refused naming the field), the worker's mapping onto the engine's sett
 sequence breakers and XTC's spared tokens from strings to token ids with the model's
 tokenizer), a real `genq worker` serving such requests, and the gateway's OpenAI endpoints
 taking them under TabbyAPI's names."""
-# ruff: noqa: F811 - pytest fixtures are imported from tests.gateway_service and requested by name
 
 from __future__ import annotations
 
@@ -26,17 +25,7 @@ from producer.protocol import (
     ProtocolError,
     SamplingParams,
 )
-from tests.gateway_service import (  # noqa: F401 - fixtures, requested by name
-    MODEL,
-    QUEUE,
-    bearer,
-    celery_client,
-    gateway,
-    gateway_process,
-    model_dir,
-    oai,
-    worker,
-)
+from tests.gateway_service import MODEL, QUEUE, bearer
 from worker.cli import build_parser
 from worker.jobs import build_job
 from worker.processes import WorkerProcess

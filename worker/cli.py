@@ -349,6 +349,9 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
                              "a [sample i] line")
     submit.add_argument("--id", help="the request identifier (default: a new UUID)")
     submit.add_argument("--priority", type=int, metavar="P", help="0 (served first) to 9")
+    submit.add_argument("--max-skips", dest="max_skips", type=int, metavar="N",
+                        help="times the request may be passed over while it does not fit the cache (0 to 1024; "
+                             "default: the worker's, 16)")
     submit.add_argument("--timeout", type=float, metavar="S",
                         help="deadline S seconds from now: the generation stops there (exit 4); the request is "
                              "cancelled if no result comes")

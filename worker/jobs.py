@@ -91,6 +91,7 @@ def build_job(
         top_logprobs=request.top_logprobs,
         # The queue's priority orders admission in the engine too (0 = most urgent; none = 0, as on the broker).
         priority=request.priority or 0,
+        max_skips=request.max_skips,
         banned_strings=request.banned_strings,
         token_healing=request.token_healing,
     )
