@@ -103,10 +103,15 @@ def _build_table(backend: BackendTokenizer, size: int, skip_special_tokens: bool
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
     alphabet = _byte_level_map()
+    to_bytes = {ord(char): byte for char, byte in alphabet.items()}  # str.translate, then latin-1: the bytes
+    pieces: list[str | None] = [None] * size
+    for piece, i in backend.get_vocab(with_added_tokens=False).items():
+        if i < size:
+            pieces[i] = piece
     added = backend.get_added_tokens_decoder()
     singles = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=skip_special_tokens)
     table = []
-    for i in range(size):
+    for i, piece in enumerate(pieces):
         if i in added:
             # decode() renders an added token as its text between separately decoded byte runs, which is
             # the decoding of the concatenation as long as that text is valid, non-empty UTF-8 (or skipped).
@@ -115,16 +120,14 @@ def _build_table(backend: BackendTokenizer, size: int, skip_special_tokens: bool
             if (skipped and text) or (not skipped and (not text or REPLACEMENT_CHAR in text)):
                 return None
             table.append(text.encode())
-            continue
-        piece = backend.id_to_token(i)
-        if piece is None:
+        elif piece is None:
             table.append(b"")
-        elif all(char in alphabet for char in piece):
-            table.append(bytes(alphabet[char] for char in piece))
+        elif alphabet.keys() >= set(piece):
+            table.append(piece.translate(to_bytes).encode("latin-1"))
         else:
             table.append(piece.encode())  # as the ByteLevel decoder does with a token outside its alphabet
-        if table[-1].decode(errors="replace") != singles[i]:
-            return None
+    if [piece.decode(errors="replace") for piece in table] != singles:
+        return None
     rng = random.Random(size)
     sequences = [[rng.randrange(size) for _ in range(rng.randint(2, 12))] for _ in range(_CHECK_SEQUENCES)]
     decoded = backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)

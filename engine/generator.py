@@ -479,13 +479,14 @@ class Generator:
         # such jobs decode one token a step, without drafts
         drafts, draft_probs = self._fill_drafts([item for item in schedule.scheduled
                                                  if item.draft_room and not item.sequence.job.gen_settings.stateful])
-        rows = [self._row(item, drafts.get(item.sequence.serial, [])) for item in schedule.scheduled]
+        rows: list[BatchRow] = []
         plain: list[tuple[Sequence, int]] = []
         speculated: list[tuple[Sequence, int, list[int]]] = []
         row = 0
         for item in schedule.scheduled:
             sequence = item.sequence
-            draft = drafts.get(sequence.serial, [])
+            draft = drafts.get(sequence.serial, []) if drafts else []
+            rows.append(self._row(item, draft))
             if item.samples and draft:
                 speculated.append((sequence, row, draft))
                 row += 1 + len(draft)
@@ -520,7 +521,7 @@ class Generator:
         scheduler; returns the sequences a stop token or max_new_tokens ended."""
         logits, tokens, logprobs = step.work.result()
         failed: dict[int, str] = {}  # serial -> why: this job fails alone, its batch neighbours go on
-        for row, token in enumerate(tokens):
+        for row, token in enumerate(tokens) if tokens and min(tokens) < 0 else ():
             if token < 0:
                 try:
                     self.sampler.raise_for_row(row)
@@ -737,6 +738,8 @@ class Generator:
     def _row(item: ScheduledSequence, draft: list[int]) -> BatchRow:
         sequence = item.sequence
         start = sequence.num_computed
+        if item.num_tokens == 1 and not draft:
+            return BatchRow(sequence, start, (sequence.token_ids[start],), 1 if item.samples else 0)
         tokens = sequence.token_ids[start : start + item.num_tokens]
         if draft:
             tokens += draft
@@ -770,6 +773,14 @@ class Generator:
         allows stopping) or max_new_tokens; True if one of those ended the job.
         Stop strings need the text: _emit finds them."""
         job = sequence.job
+        if len(tokens) == 1 and sequence.constraint is None:  # a plain decode step
+            token = tokens[0]
+            sequence.token_ids.append(token)
+            sequence.output_ids.append(token)
+            self._generated_tokens += 1
+            generated = len(sequence.token_ids) - sequence.num_prompt_tokens
+            return tokens, generated >= job.max_new_tokens or (
+                token in sequence.stop_token_ids and generated >= job.min_new_tokens)
         kept, done = tokens, False
         for i, token in enumerate(tokens):
             sequence.append(token)
@@ -821,9 +832,14 @@ class Generator:
             texts.append(self._release_end(sequence, generated - 1, can_stop=True)[0])
             return FinishReason.STOP_TOKEN, token
         detokenizer = sequence.detokenizer
-        origin = generated - 1 - detokenizer.num_held
-        text = detokenizer.add([token])
-        text, stop_string = self._release(sequence, text, can_stop, origin, generated - detokenizer.num_held)
+        if sequence.banned_guard is None and not sequence.heal_pending:  # the text goes to the stop matcher alone
+            text, stop_string = detokenizer.add((token,)), None
+            if sequence.stop_matcher is not None:
+                text, stop_string = sequence.stop_matcher.feed(text, can_stop)
+        else:
+            origin = generated - 1 - detokenizer.num_held
+            text = detokenizer.add((token,))
+            text, stop_string = self._release(sequence, text, can_stop, origin, generated - detokenizer.num_held)
         texts.append(text)
         if stop_string is not None:
             return FinishReason.STOP_STRING, stop_string
@@ -926,8 +942,9 @@ class Generator:
     @staticmethod
     def _result(sequence: Sequence, stage: Stage, text: str = "", token_ids: list[int] | None = None) -> EngineOutput:
         token_ids = token_ids or []
-        return EngineOutput(sequence.job, sequence.serial, sequence.job.identifier, stage, False, text, token_ids,
-                            logprobs=_step_logprobs(sequence, token_ids))
+        job = sequence.job
+        return EngineOutput(job, sequence.serial, job.identifier, stage, False, text, token_ids,
+                            None if not job.logprobs else _step_logprobs(sequence, token_ids))
 
     def _final_result(self, sequence: Sequence, text: str, token_ids: list[int], reason: FinishReason
                       ) -> EngineOutput:

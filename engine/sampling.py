@@ -981,7 +981,7 @@ def _top_k_stable(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     z = z + 0.0  # -0.0 -> +0.0: they compare equal, so they must rank equal
     if not z.is_cuda:
         values, order = z.topk(k, dim=-1)
-        if not bool(((z >= values[:, -1:]).sum(dim=-1) > k).any()):
+        if not bool(((z >= values[:, -1:]).sum(dim=-1, dtype=torch.int32) > k).any()):  # int32: a cheaper sum
             order = order.sort(dim=-1).values
             values = z.gather(1, order)
             values, position = values.sort(dim=-1, descending=True, stable=True)

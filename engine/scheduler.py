@@ -135,19 +135,29 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Draft(self.max_chunk_size)
-        decoding = [s for s in self._running.values() if s.num_uncomputed == 1]
+        # One pass sorts the running sequences; one preempted below leaves _running and is skipped.
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for sequence in self._running.values():
+            uncomputed = len(sequence.token_ids) - sequence.num_computed
+            if uncomputed == 1:
+                decoding.append(sequence)
+            elif uncomputed > 1:
+                prefilling.append(sequence)
         # Speculation pays while decoding is memory-bound; a large batch is compute-bound already.
         drafts = self.num_draft_tokens if len(decoding) <= self.max_speculative_batch else 0
+        running = self._running
         for sequence in decoding:
             if step.budget == 0:
                 break
-            if sequence.serial in step.chosen or sequence.serial not in self._running:
+            if sequence.serial not in running:
                 continue
-            room = max(0, min(drafts, step.budget - 1, sequence.job.max_new_tokens - sequence.num_generated - 1))
+            room = max(0, min(drafts, step.budget - 1, sequence.job.max_new_tokens - sequence.num_generated - 1)
+                       ) if drafts else 0
             if self._grow(sequence, len(sequence.token_ids) + room, step):
                 self._schedule(sequence, 1, step, draft_room=room)
 
-        for sequence in [s for s in self._running.values() if s.num_uncomputed > 1]:
+        for sequence in prefilling:
             if step.budget == 0:
                 break
             if sequence.serial in step.chosen or sequence.serial not in self._running:
@@ -156,7 +166,8 @@ class Scheduler:
             if self._grow(sequence, sequence.num_computed + chunk, step):
                 self._schedule(sequence, chunk, step)
 
-        self._admit(step)
+        if self.waiting:
+            self._admit(step)
         return step.freeze()
 
     def update_from_output(
@@ -221,6 +232,8 @@ class Scheduler:
         """Give the sequence pages for num_tokens tokens, preempting the newest
         unscheduled running sequences as needed. False if it was itself preempted."""
         needed = self.kv.pages_missing(sequence, num_tokens)
+        if not needed:
+            return True
         while needed > self.kv.num_free:
             victim = next((s for s in reversed(self._running.values()) if s.serial not in step.chosen), None)
             if victim is None:
