@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def plot(results: dict[str, Any], path: Path) -> None:
     labels = list(results["runs"])
     modes = list(SETTINGS)
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(8 * len(modes), 5), squeeze=False)
     width = 0.8 / len(labels)
     for ax, mode in zip(axes[0], modes):
         for i, label in enumerate(labels):
@@ -241,7 +241,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(range(len(BATCHES)), [f"{n} jobs" for n in BATCHES])
         ax.set_title(f"{mode}: median decode step (host, sampler, forward stacked)")
         ax.set_ylabel("ms per decode step")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: one entry per run and part
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
