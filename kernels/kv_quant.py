@@ -18,24 +18,30 @@ float16 scales tensor [num_kv_heads, num_pages, page_size, groups] beside it:
   values along head_dim (amax / 448), groups Hadamard-rotated (below).
 - torch.int8 ("q8"): symmetric int8, X = head_dim, one scale per group of
   32 values along head_dim (amax / 127), not rotated.
-- torch.uint8 ("q4"): symmetric 4-bit in [-7, 7] stored as value + 8, two per
-  byte (element 2j in the low nibble of byte j, 2j + 1 in the high one),
-  X = head_dim / 2, one scale per group of 32 (amax / 7), groups rotated.
+- torch.uint8 ("q4"): asymmetric 4-bit, levels 0..15, two per byte (element
+  2j in the low nibble of byte j, 2j + 1 in the high one), X = head_dim / 2;
+  per group of 16 values a scale (max - min) / 15 and the minimum, so the
+  scales tensor's last dim is 2 * groups (the scales, then the minimums) and
+  a value is level * scale + min. Not rotated. 6 bits per value with its
+  scales (head_dim 64: 48 bytes a vector, against 36 for the symmetric
+  groups of 32 it replaced, 72 for q8).
 - "k8v4": K as q8, V as q4 (a cache dtype name only: the K cache is int8,
   the V cache uint8). Keys are what 4 bits break, values take them well.
 
-A head_dim under 32 is one group. fp8 and q4 rotate each group of K and V by
+A head_dim under a group is one group. fp8 rotates each group of K and V by
 a normalized Hadamard transform before quantizing (as exllamav2's Q4 cache
-does), so they need power-of-two groups: head_dim a multiple of 32 or a power
-of two; q8 needs a multiple of 32 (or at most 32); "auto" takes any. Real
-keys have a few outlier channels; in a group holding one, the scale is set by
-the outlier and the other 31 values quantize to almost nothing (q4), or the
-outliers' own relative error dominates q.k with nothing to average it out
-(fp8). The rotation spreads the outlier over the whole group, so the group's
-max is close to its RMS and every value's error is a similar small share of
-it. It is orthonormal and symmetric (its own inverse): attention rotates q
-when K is rotated (q.k = Hq.Hk) and rotates its output back when V is (V's
-rotation passes through the softmax-weighted sum), so callers never see it.
+does), so it needs power-of-two groups: head_dim a multiple of 32 or a power
+of two; q8 needs a multiple of 32 (or at most 32), q4 a multiple of 16 (or
+an even number under 16); "auto" takes any. Real keys have a few outlier
+channels, whose own relative error dominates q.k with nothing to average it
+out (fp8). The rotation spreads an outlier over the whole group, so the
+group's max is close to its RMS and every value's error is a similar small
+share of it. It is orthonormal and symmetric (its own inverse): attention
+rotates q when K is rotated (q.k = Hq.Hk) and rotates its output back when V
+is (V's rotation passes through the softmax-weighted sum), so callers never
+see it. q4 instead keeps an outlier in a group of 16 with its own minimum:
+real keys carry per-channel offsets, so a group's values are skewed, and
+the minimum puts all 16 levels where the values are.
 
 Measured on a real model (SmolLM2-135M, head_dim 64, 768 tokens of
 bench/data/prose.txt through engine.perplexity; full-precision cache:
@@ -45,25 +51,50 @@ distribution from the full-precision cache's:
     fp8   20.156 / 0.0154   (per-vector scale, unrotated: 20.597 / 0.0219;
                              groups of 32, unrotated: 20.748 / 0.0194)
     q8    20.231 / 0.0015
-    q4    24.360 / 0.2174   (K only at q4: 21.315 / 0.1664; V only: 20.681 / 0.0388)
-    k8v4  20.709 / 0.0365   (fp8 keys instead: 20.190 / 0.047)
+    q4    22.260 / 0.1276
+    k8v4  20.266            (fp8 keys instead: 20.190 / 0.047)
 
-Perplexity on one text moves by +-0.5% for reasons unrelated to the error
-(some quantized caches score below the full-precision one); the KL divergence
-is the steadier figure. On tests/test_kv_quant_kernels.py's synthetic data
-(K with 4 of 128 channels at 8-15x the others on a per-channel offset,
-Laplace V, unit q; head_dim 128, decode, verify and prefill rows, no window
-or soft-cap; mean over 10 seeds) the mean relative error of the attention
-output against a full-precision cache is fp8 0.047, q8 0.018, q4 0.158 (0.311
-unrotated), k8v4 0.097; there fp8's rotation costs (0.031 unrotated), which
+q4 replaced symmetric [-7, 7] levels with one scale per Hadamard-rotated
+group of 32 (24.360 / 0.2174 here; K only at that q4: 21.315 / 0.1664, V
+only: 20.681 / 0.0388; k8v4 with it: 20.709 / 0.0365). Other 4-bit variants
+tried, K and V alike unless noted (the rest of the cache as named), each
+vector on its own (issue 13's search; a rounding flip in one value changes
+this perplexity by several percent, so the KL decided):
+
+    rotation across the whole head_dim, symmetric, groups of 32   21.326 / 0.2145
+    the same, random signs before the rotation                    21.743 / 0.2416
+    rotated groups of 32, symmetric, per-group best of 7 clip
+        ratios (0.7-1.0 of amax, least squared error)             21.905 / 0.1830
+    whole-head rotation, NF4 code book (amax-scaled)              20.605 / 0.2429
+    the same, per-group best of 6 clip ratios                     21.751 / 0.1855
+    whole-head rotation, [-8, 7] (q4_0's sign trick)              22.495 / 0.2005
+    whole-head rotation, symmetric, groups of 16                  22.484 / 0.2074
+    K only (V the old q4): unrotated min/max groups of 32         21.977 / 0.2131
+                           rotated groups of 32, min/max          21.729 / 0.1653
+                           unrotated min/max groups of 16         21.977 / 0.1383
+                           whole-head rotation, min/max, 16       21.149 / 0.1397
+                           the same, best of 5 clip ratios        20.155 / 0.1260
+
+Min/max with a zero point is what moved the KL; clip searches gain less
+and would have to be reproduced bit for bit by the write kernel. Perplexity
+on one text moves by several percent for reasons unrelated to the error at
+4 bits (and +-0.5% at 8; some quantized caches score below the
+full-precision one); the KL divergence is the steadier figure. On
+tests/test_kv_quant_kernels.py's synthetic data (K with 4 of 128 channels at
+8-15x the others on a per-channel offset, Laplace V, unit q; head_dim 128,
+decode, verify and prefill rows, no window or soft-cap; mean over 10 seeds)
+the mean relative error of the attention output against a full-precision
+cache is fp8 0.047, q8 0.018, q4 0.145 (the old symmetric q4: 0.158, 0.311
+unrotated), k8v4 0.075; there fp8's rotation costs (0.031 unrotated), which
 the real model's keys contradict, so the real model decided.
 
 Scales are clamped to [2^-14, 65504] (float16's normal range): a zero vector
 gets the smallest scale and quantizes to zeros, never 0/0 (vectors whose
-amax / qmax is below 2^-14 are stored with that scale: an absolute error of
-at most 2^-15). Rounding is half up for q8/q4 (floor(x + 0.5)), which the
-kernels compute exactly the same way; fp8 rounds to nearest even, as torch's
-conversion does.
+amax / qmax, or for q4 (max - min) / 15, is below 2^-14 are stored with that
+scale: an absolute error of at most 2^-15); q4's minimums are clamped to
++-65504 and rounded to float16, and levels to 0..15. Rounding is half up for
+q8/q4 (floor(x + 0.5)), which the kernels compute exactly the same way; fp8
+rounds to nearest even, as torch's conversion does.
 """
 
 from __future__ import annotations
@@ -82,7 +113,9 @@ _SPLIT_DTYPES = {"k8v4": ("q8", "q4")}
 GROUP_SIZE = 32
 FP8_MAX = 448.0
 Q8_MAX = 127.0
-Q4_MAX = 7.0
+Q4_MAX = 15.0
+#: Values per scale and minimum in q4.
+Q4_GROUP_SIZE = 16
 SCALE_MIN = 2.0**-14
 SCALE_MAX = 65504.0
 SCALE_DTYPE = torch.float16
@@ -97,31 +130,39 @@ class KVFormat:
     """How one cache stores a (head, token) vector of head_dim values.
 
     data_dtype / data_dim: the cache tensor's dtype and last dim (X);
-    scale_groups: the scales tensor's last dim (0: no scales)."""
+    scale_groups: the scales tensor's last dim (0: no scales): one scale per
+    group of group_size values, and for q4 one minimum per group after them."""
 
     name: str
     data_dtype: torch.dtype
     head_dim: int
     data_dim: int
     scale_groups: int
+    group_size: int
 
     @property
     def quantized(self) -> bool:
         return self.scale_groups > 0
 
     @property
-    def group_size(self) -> int:
-        """Values sharing one scale."""
-        return self.head_dim // self.scale_groups if self.scale_groups else self.head_dim
+    def groups(self) -> int:
+        """Groups of group_size values per vector (each with its own scale)."""
+        return self.head_dim // self.group_size
+
+    @property
+    def asymmetric(self) -> bool:
+        """Whether each group stores a minimum (zero point) beside its scale (q4)."""
+        return self.name == "q4"
 
     @property
     def rotated(self) -> bool:
-        """Whether vectors are stored Hadamard-rotated within each group (fp8, q4)."""
-        return self.name in ("fp8", "q4")
+        """Whether vectors are stored Hadamard-rotated within each group (fp8)."""
+        return self.name == "fp8"
 
     @property
     def qmax(self) -> float:
-        """The largest stored magnitude: a group's amax maps to it."""
+        """The largest stored magnitude: a group's amax maps to it (q4: the
+        largest level, its max - min maps to it)."""
         return _QMAX[self.name]
 
     @property
@@ -169,7 +210,15 @@ def vector_format(name: str, head_dim: int, model_dtype: torch.dtype, cache_dtyp
                 f"cache_dtype 'auto' stores the model's dtype, which must be float32, float16 or bfloat16, "
                 f"not {model_dtype}"
             )
-        return KVFormat("auto", model_dtype, head_dim, head_dim, 0)
+        return KVFormat("auto", model_dtype, head_dim, head_dim, 0, head_dim)
+    if name == "q4":
+        group = min(Q4_GROUP_SIZE, head_dim)
+        if head_dim % group or head_dim % 2:
+            raise ValueError(
+                f"cache_dtype {cache_dtype!r} needs head_dim to be a multiple of {Q4_GROUP_SIZE} (or an even "
+                f"number below it), got {head_dim}; use 'auto'" + (" or 'q8'" if head_dim <= GROUP_SIZE else "")
+            )
+        return KVFormat("q4", torch.uint8, head_dim, head_dim // 2, 2 * (head_dim // group), group)
     group = min(GROUP_SIZE, head_dim)
     if name == "q8":
         if head_dim % group:
@@ -177,16 +226,14 @@ def vector_format(name: str, head_dim: int, model_dtype: torch.dtype, cache_dtyp
                 f"cache_dtype {cache_dtype!r} needs head_dim to be a multiple of {GROUP_SIZE} (or at most "
                 f"{GROUP_SIZE}), got {head_dim}; use 'auto'"
             )
-        return KVFormat("q8", torch.int8, head_dim, head_dim, head_dim // group)
+        return KVFormat("q8", torch.int8, head_dim, head_dim, head_dim // group, group)
     if head_dim % group or group & (group - 1) or group < 2:
         raise ValueError(
             f"cache_dtype {cache_dtype!r} needs head_dim to be a multiple of {GROUP_SIZE} or a power of two (its "
             f"Hadamard rotation works on power-of-two groups), got {head_dim}; use 'auto'"
             + (" or 'q8'" if head_dim <= GROUP_SIZE else "")
         )
-    if name == "fp8":
-        return KVFormat("fp8", torch.float8_e4m3fn, head_dim, head_dim, head_dim // group)
-    return KVFormat("q4", torch.uint8, head_dim, head_dim // 2, head_dim // group)
+    return KVFormat("fp8", torch.float8_e4m3fn, head_dim, head_dim, head_dim // group, group)
 
 
 def format_of(cache: torch.Tensor, scales: torch.Tensor | None, what: str = "cache") -> KVFormat:
@@ -200,7 +247,7 @@ def format_of(cache: torch.Tensor, scales: torch.Tensor | None, what: str = "cac
                 f"{what} dtype {cache.dtype} is no KV cache format: floating, torch.float8_e4m3fn (fp8), "
                 "torch.int8 (q8) or torch.uint8 (q4)"
             )
-        return KVFormat("auto", cache.dtype, cache.shape[-1], cache.shape[-1], 0)
+        return KVFormat("auto", cache.dtype, cache.shape[-1], cache.shape[-1], 0, cache.shape[-1])
     if scales is None:
         raise ValueError(f"{what} is quantized ({name}, {cache.dtype}) but no scales were given")
     if scales.dtype != SCALE_DTYPE or scales.dim() != cache.dim() or scales.shape[:-1] != cache.shape[:-1]:
@@ -258,37 +305,49 @@ def rotate(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (data [..., data_dim] of fmt.data_dtype, scales
     [..., scale_groups] float16); each vector on its own."""
+    if fmt.asymmetric:
+        return _quantize_q4(x.float(), fmt)
     x = rotate(x.float(), fmt)
-    groups = x.reshape(*x.shape[:-1], fmt.scale_groups, fmt.group_size)
+    groups = x.reshape(*x.shape[:-1], fmt.groups, fmt.group_size)
     scales = (groups.abs().amax(-1) / fmt.qmax).clamp(SCALE_MIN, SCALE_MAX).to(SCALE_DTYPE)
     y = (groups / scales.float().unsqueeze(-1)).clamp(-fmt.qmax, fmt.qmax).reshape(x.shape)
     if fmt.name == "fp8":
         return y.to(torch.float8_e4m3fn), scales
-    q = torch.floor(y + 0.5)
-    if fmt.name == "q8":
-        return q.to(torch.int8), scales
-    nibbles = (q + 8).to(torch.uint8).reshape(*x.shape[:-1], fmt.data_dim, 2)
-    return nibbles[..., 0] | (nibbles[..., 1] << 4), scales
+    return torch.floor(y + 0.5).to(torch.int8), scales
+
+
+def _quantize_q4(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4: per group of 16, minimum m (float16, clamped to float16's range) and
+    scale s = (max - min) / 15 (clamped like every scale); the value
+    round((x - m) / s), in 0..15, two per byte."""
+    groups = x.reshape(*x.shape[:-1], fmt.groups, fmt.group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    mins = low.clamp(-SCALE_MAX, SCALE_MAX).to(SCALE_DTYPE)
+    scales = ((high - low) / fmt.qmax).clamp(SCALE_MIN, SCALE_MAX).to(SCALE_DTYPE)
+    y = (groups - mins.float().unsqueeze(-1)) / scales.float().unsqueeze(-1)
+    q = torch.floor(y.clamp(0.0, fmt.qmax) + 0.5).to(torch.uint8).reshape(*x.shape[:-1], fmt.data_dim, 2)
+    return q[..., 0] | (q[..., 1] << 4), torch.cat((scales, mins), dim=-1)
 
 
 def dequantize_into(out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """Write data * scales into out ([..., head_dim] fp32) and return it: the
-    values as stored (still rotated for fp8 and q4). Only fp32 arithmetic, so the
-    Triton kernels, which dequantize in fp32 too, match it exactly."""
+    """Write the values data stands for into out ([..., head_dim] fp32) and
+    return it: data * scale (+ min for q4), still rotated for fp8. Only fp32
+    arithmetic, so the Triton kernels, which dequantize in fp32 too, match it."""
     if fmt.name == "q4":
         pairs = out.view(*out.shape[:-1], fmt.data_dim, 2)
         pairs[..., 0].copy_(data & 15)
         pairs[..., 1].copy_(data >> 4)
-        out.sub_(8)
     else:
         out.copy_(data)
-    groups = out.view(*out.shape[:-1], fmt.scale_groups, fmt.group_size)
-    groups.mul_(scales.unsqueeze(-1).float())
+    groups = out.view(*out.shape[:-1], fmt.groups, fmt.group_size)
+    groups.mul_(scales[..., : fmt.groups].unsqueeze(-1).float())
+    if fmt.asymmetric:
+        groups.add_(scales[..., fmt.groups :].unsqueeze(-1).float())
     return out
 
 
 def dequantize(data: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """data [..., data_dim] and scales -> the values [..., head_dim] in fp32
-    (rotated back for fp8 and q4): what attention over this cache sees."""
+    (rotated back for fp8): what attention over this cache sees."""
     out = torch.empty(*data.shape[:-1], fmt.head_dim, dtype=torch.float32, device=data.device)
     return rotate(dequantize_into(out, data, scales, fmt), fmt)

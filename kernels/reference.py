@@ -130,7 +130,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D].
     A quantized cache needs its scales (see write_kv); a rotated K format's
-    (fp8, q4) rotation is applied to q, a rotated V format's undone on the
+    (fp8) rotation is applied to q, a rotated V format's undone on the
     output, here.
 
     Rows with few query tokens (decodes, and speculative verify rows of
@@ -214,7 +214,7 @@ class _PagedKV(NamedTuple):
 
     def gather(self, which: int, pages: torch.Tensor, head_dim: int) -> torch.Tensor:
         """The listed pages of K (which=0) or V (1), [Hkv, len(pages), page_size, head_dim],
-        in the cache's dtype, or dequantized to fp32 (fp8 / q4: still rotated) for a quantized cache."""
+        in the cache's dtype, or dequantized to fp32 (fp8: still rotated) for a quantized cache."""
         cache = (self.k_cache, self.v_cache)[which]
         num_kv_heads, page_size = cache.shape[0], cache.shape[2]
         shape = (num_kv_heads, pages.numel(), page_size, cache.shape[3])

@@ -36,7 +36,7 @@ Design (after vLLM's unified Triton attention and flash-decoding):
   have their own format (constexprs K_FORMAT / V_FORMAT: "k8v4" is q8 keys
   and q4 values). The full-precision `_paged_attention_kernel` is that kernel
   with no scales (and keeps its own signature). The Hadamard rotation of
-  fp8 and q4 is applied around the kernels (kv_quant.rotate), as the
+  fp8 is applied around the kernels (kv_quant.rotate), as the
   reference does: to K / V before the write kernel quantizes them, to q when
   K is rotated and to the output when V is.
 - fp8 (e4m3fn) travels through the kernels as its uint8 bit pattern, encoded
@@ -414,29 +414,40 @@ def _quantize_groups_store(
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_J)
     if KV_FORMAT == _Q4:
+        # asymmetric: a minimum and a scale per group, levels 0..QMAX; even and odd elements are the
+        # low and high nibbles of the group's bytes
         mask = (g[:, None] < num_groups) & (j[None, :] < GROUP // 2)
         offs = g[:, None] * GROUP + 2 * j[None, :]
         lo = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         hi = tl.load(x_row + offs + 1, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+        low = tl.minimum(tl.min(tl.where(mask, lo, float("inf")), axis=1),
+                         tl.min(tl.where(mask, hi, float("inf")), axis=1))
+        high = tl.maximum(tl.max(tl.where(mask, lo, float("-inf")), axis=1),
+                          tl.max(tl.where(mask, hi, float("-inf")), axis=1))
+        low = tl.where(g < num_groups, low, 0.0)
+        high = tl.where(g < num_groups, high, 0.0)
+        minimum = tl.minimum(tl.maximum(low, -SCALE_HI), SCALE_HI).to(tl.float16)
+        scale = tl.minimum(tl.maximum(tl.math.div_rn(high - low, QMAX), SCALE_LO), SCALE_HI).to(tl.float16)
+        tl.store(scale_row + g, scale, mask=g < num_groups)
+        tl.store(scale_row + num_groups + g, minimum, mask=g < num_groups)
+        s = scale.to(tl.float32)[:, None]
+        m = minimum.to(tl.float32)[:, None]
+        lo = tl.minimum(tl.maximum(tl.math.div_rn(lo - m, s), 0.0), QMAX)
+        hi = tl.minimum(tl.maximum(tl.math.div_rn(hi - m, s), 0.0), QMAX)
+        packed = tl.floor(lo + 0.5).to(tl.int32) | (tl.floor(hi + 0.5).to(tl.int32) << 4)
+        tl.store(data_row + offs // 2, packed.to(tl.uint8), mask=mask)
     else:
         mask = (g[:, None] < num_groups) & (j[None, :] < GROUP)
         offs = g[:, None] * GROUP + j[None, :]
-        lo = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        hi = lo
-        amax = tl.max(tl.abs(lo), axis=1)
-    scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX), SCALE_LO), SCALE_HI).to(tl.float16)
-    tl.store(scale_row + g, scale, mask=g < num_groups)
-    s = scale.to(tl.float32)[:, None]
-    lo = tl.minimum(tl.maximum(tl.math.div_rn(lo, s), -QMAX), QMAX)
-    if KV_FORMAT == _FP8:
-        tl.store(data_row + offs, _float_to_fp8(lo), mask=mask)
-    elif KV_FORMAT == _Q8:
-        tl.store(data_row + offs, tl.floor(lo + 0.5).to(tl.int8), mask=mask)
-    else:
-        hi = tl.minimum(tl.maximum(tl.math.div_rn(hi, s), -QMAX), QMAX)
-        packed = (tl.floor(lo + 0.5) + 8.0).to(tl.int32) | ((tl.floor(hi + 0.5) + 8.0).to(tl.int32) << 4)
-        tl.store(data_row + offs // 2, packed.to(tl.uint8), mask=mask)
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX), SCALE_LO), SCALE_HI).to(tl.float16)
+        tl.store(scale_row + g, scale, mask=g < num_groups)
+        x = tl.minimum(tl.maximum(tl.math.div_rn(x, scale.to(tl.float32)[:, None]), -QMAX), QMAX)
+        if KV_FORMAT == _FP8:
+            tl.store(data_row + offs, _float_to_fp8(x), mask=mask)
+        else:
+            tl.store(data_row + offs, tl.floor(x + 0.5).to(tl.int8), mask=mask)
 
 
 @triton.jit
@@ -492,7 +503,7 @@ def _format_constexprs(fmt: KVFormat) -> tuple[int, int, int, int, float]:
         return _FORMAT_IDS["auto"], fmt.head_dim, 1, _block(fmt.head_dim), 1.0
     group = fmt.group_size
     block_j = _block(group // 2 if fmt.name == "q4" else group)
-    return _FORMAT_IDS[fmt.name], group, _block(fmt.scale_groups), block_j, fmt.qmax
+    return _FORMAT_IDS[fmt.name], group, _block(fmt.groups), block_j, fmt.qmax
 
 
 def _write_kv_quantized(
@@ -507,7 +518,7 @@ def _write_kv_quantized(
     v_fmt: KVFormat,
 ) -> None:
     tokens, num_kv_heads, head_dim = k.shape
-    # fp8 / q4 quantize the rotated vectors (fp32, exactly as the reference rotates them)
+    # fp8 quantizes the rotated vectors (fp32, exactly as the reference rotates them)
     k = rotate(k.float(), k_fmt) if k_fmt.rotated else k
     v = rotate(v.float(), v_fmt) if v_fmt.rotated else v
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -530,22 +541,25 @@ def _write_kv_quantized(
 
 @triton.jit
 def _load_kv(
-    cache_base, scale_base, slot_offs, scale_offs, d, slot_mask, d_mask,
+    cache_base, scale_base, slot_offs, scale_offs, d, slot_mask, d_mask, num_groups,
     KV_FORMAT: tl.constexpr, GROUP: tl.constexpr,
 ):
     """A K or V tile: slot_offs / scale_offs / slot_mask (per slot) broadcast
     against d / d_mask (the head_dim index); fp32 values for a quantized cache,
-    the cache's own dtype otherwise."""
+    the cache's own dtype otherwise. num_groups: groups per vector (q4's
+    minimums follow its scales)."""
     mask = slot_mask & d_mask
     if KV_FORMAT == _Q4:
         packed = tl.load(cache_base + slot_offs + d // 2, mask=mask, other=0).to(tl.int32)
-        x = (((packed >> ((d % 2) * 4)) & 15) - 8).to(tl.float32)
+        x = ((packed >> ((d % 2) * 4)) & 15).to(tl.float32)
     elif KV_FORMAT == _FP8:
         x = _fp8_to_float(tl.load(cache_base + slot_offs + d, mask=mask, other=0))
     else:
         x = tl.load(cache_base + slot_offs + d, mask=mask, other=0.0)
     if KV_FORMAT != _FLOAT:
         x = x.to(tl.float32) * tl.load(scale_base + scale_offs + d // GROUP, mask=mask, other=0.0).to(tl.float32)
+    if KV_FORMAT == _Q4:
+        x = x + tl.load(scale_base + scale_offs + num_groups + d // GROUP, mask=mask, other=0.0).to(tl.float32)
     return x
 
 
@@ -670,9 +684,9 @@ def _quantized_paged_attention_kernel(
             ks_offs = page * stride_ks_p + in_page * stride_ks_s
             vs_offs = page * stride_vs_p + in_page * stride_vs_s
             kt = _load_kv(kc_base, ks_base, k_offs[None, :], ks_offs[None, :], d[:, None], n_valid[None, :],
-                          d_mask[:, None], K_FORMAT, K_GROUP)
+                          d_mask[:, None], head_dim // K_GROUP, K_FORMAT, K_GROUP)
             v = _load_kv(vc_base, vs_base, v_offs[:, None], vs_offs[:, None], d[None, :], n_valid[:, None],
-                         d_mask[None, :], V_FORMAT, V_GROUP)
+                         d_mask[None, :], head_dim // V_GROUP, V_FORMAT, V_GROUP)
             kt = _cast(kt, q.dtype)
             v = _cast(v, q.dtype)
             s = _dot(q, kt, IEEE)
@@ -762,7 +776,7 @@ def _paged_attention(
     """paged_attention with the tiling exposed (the tests force splits and
     small blocks to reach every path)."""
     k_fmt, v_fmt = paged_formats(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
-    q = rotate(q, k_fmt)  # rotated keys (fp8, q4): Hq.Hk = q.k; rotated values: the output is rotated back below
+    q = rotate(q, k_fmt)  # rotated keys (fp8): Hq.Hk = q.k; rotated values: the output is rotated back below
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     batch = context_lens.shape[0]

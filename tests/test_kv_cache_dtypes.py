@@ -27,9 +27,12 @@ from worker.processes import WorkerProcess
 PROSE = Path(__file__).resolve().parent.parent / "bench" / "data" / "prose.txt"
 QUANTIZED = [name for name in kernels.KV_CACHE_DTYPES if name != "auto"]
 #: Perplexity relative to the full-precision cache, at most (issue 13: fp8/q8 1%, the 4-bit format 5%).
-TARGETS = {"fp8": 1.01, "q8": 1.01, "k8v4": 1.05, "q4": 1.25}
-#: Teacher-forced greedy agreement with the full-precision cache over the same text, at least.
-AGREEMENT = {"fp8": 0.92, "q8": 0.95, "k8v4": 0.9, "q4": 0.75}
+#: q4 on these 768 tokens: 22.260 vs 20.146 (+10.5%; over the whole text bench/quantization.py measures
+#: less, see kernels/kv_quant.py), so its bound is looser here.
+TARGETS = {"fp8": 1.01, "q8": 1.01, "k8v4": 1.05, "q4": 1.15}
+#: Teacher-forced greedy agreement with the full-precision cache over the same text, at least
+#: (q4 measured 0.857, k8v4 0.947).
+AGREEMENT = {"fp8": 0.92, "q8": 0.95, "k8v4": 0.9, "q4": 0.8}
 
 
 @pytest.fixture(scope="module")
