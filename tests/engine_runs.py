@@ -1,4 +1,4 @@
-"""Running one job through a generator to its end, as engine tests need it."""
+"""Running jobs through a generator to their end, as engine tests need it."""
 
 from __future__ import annotations
 
@@ -17,3 +17,16 @@ def run_streamed(generator: Generator, job: Job) -> tuple[EngineOutput, list[str
                 final = result if result.eos else final
     assert final is not None, "the job never ended"
     return final, chunks
+
+
+def greedy_completions(generator: Generator, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Enqueue one job per prompt (no stop conditions), iterate until all are done; each
+    prompt's completion ids, in prompt order."""
+    for i, prompt in enumerate(prompts):
+        generator.enqueue(Job(prompt, max_new_tokens, stop_conditions=[], identifier=i))
+    completions: dict[int, list[int]] = {}
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result.eos:
+                completions[result.identifier] = result.completion_ids or []
+    return [completions[i] for i in range(len(prompts))]

@@ -20,13 +20,14 @@ from safetensors.numpy import load_file
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from engine import Generator, Job
+from engine import Generator
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
 from engine.gguf_dequant import dequantize
 from engine.gguf_file import GGUFFile
 from engine.progress import LoadProgress
 from engine.weights import load_model
 from tests.conftest import FAMILIES
+from tests.engine_runs import greedy_completions
 from tests.gguf_files import K_QUANTS, encode_tensor, finish, gguf_name, write_gguf
 from tests.test_engine_vs_transformers import hf_greedy
 
@@ -83,17 +84,6 @@ def _hf_to_gguf(model_dir: Path) -> dict[str, str]:
     return {name: gguf_name(name) for name in names if name != "lm_head.weight"}
 
 
-def _engine_greedy(generator: Generator, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        generator.enqueue(Job(prompt, max_new, stop_conditions=[], identifier=i))
-    out: dict[int, list[int]] = {}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result["eos"]:
-                out[result["identifier"]] = result["completion_ids"]
-    return [out[i] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize(("family", "kind"), [*((f, Q.F32) for f in FAMILIES), ("llama", Q.Q8_0)],
                          ids=[*FAMILIES, "llama-Q8_0"])
 def test_greedy_matches_transformers_on_the_same_gguf(family: str, kind: Q, gguf_source: Callable[..., Path],
@@ -107,10 +97,11 @@ def test_greedy_matches_transformers_on_the_same_gguf(family: str, kind: Q, gguf
     rng = random.Random(family)
     vocab = generator.model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (1, 7, 9, 23, 40)]
-    engine = _engine_greedy(generator, prompts, 10)
+    engine = greedy_completions(generator, prompts, 10)
     assert engine == [hf_greedy(hf, p, 10) for p in prompts]
     if kind == Q.F32:  # lossless: the same tokens as the HF directory the file was written from
-        assert engine == _engine_greedy(Generator.from_pretrained(source, cache_tokens=2048, page_size=8), prompts, 10)
+        plain = Generator.from_pretrained(source, cache_tokens=2048, page_size=8)
+        assert engine == greedy_completions(plain, prompts, 10)
 
 
 def test_a_mistral_architecture_file_gives_the_tokens_of_its_hf_directory(gguf_source: Callable[..., Path],
@@ -122,8 +113,8 @@ def test_a_mistral_architecture_file_gives_the_tokens_of_its_hf_directory(gguf_s
     assert generator.model.config.family == "mistral"
     rng = random.Random("mistral")
     prompts = [[rng.randrange(generator.model.config.vocab_size) for _ in range(n)] for n in (1, 9, 30)]
-    expected = _engine_greedy(Generator.from_pretrained(source, cache_tokens=2048, page_size=8), prompts, 10)
-    assert _engine_greedy(generator, prompts, 10) == expected
+    expected = greedy_completions(Generator.from_pretrained(source, cache_tokens=2048, page_size=8), prompts, 10)
+    assert greedy_completions(generator, prompts, 10) == expected
 
 
 # -- bad files -------------------------------------------------------------

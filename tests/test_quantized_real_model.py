@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Generator, Job
+from engine import Generator
 from engine.cache import KVCache
 from engine.model import CausalLM
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
+from tests.engine_runs import greedy_completions
 from tests.test_quantized_loading import all_logits, linear_weight_bytes
 
 
@@ -35,15 +36,7 @@ NEW_TOKENS = 16
 
 def _greedy(model: CausalLM, tokenizer: Tokenizer, prompts: list[list[int]]) -> list[list[int]]:
     cache = KVCache.allocate(model.config, 64, 16, torch.float32, "cpu")
-    generator = Generator(model, cache, tokenizer)
-    for i, prompt in enumerate(prompts):
-        generator.enqueue(Job(prompt, NEW_TOKENS, stop_conditions=[], identifier=i))
-    out: dict[int, list[int]] = {}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result["eos"]:
-                out[result["identifier"]] = result["completion_ids"]
-    return [out[i] for i in range(len(prompts))]
+    return greedy_completions(Generator(model, cache, tokenizer), prompts, NEW_TOKENS)
 
 
 @pytest.mark.usefixtures("one_thread")
