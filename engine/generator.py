@@ -773,14 +773,6 @@ class Generator:
         allows stopping) or max_new_tokens; True if one of those ended the job.
         Stop strings need the text: _emit finds them."""
         job = sequence.job
-        if len(tokens) == 1 and sequence.constraint is None:  # a plain decode step
-            token = tokens[0]
-            sequence.token_ids.append(token)
-            sequence.output_ids.append(token)
-            self._generated_tokens += 1
-            generated = len(sequence.token_ids) - sequence.num_prompt_tokens
-            return tokens, generated >= job.max_new_tokens or (
-                token in sequence.stop_token_ids and generated >= job.min_new_tokens)
         kept, done = tokens, False
         for i, token in enumerate(tokens):
             sequence.append(token)
@@ -833,9 +825,7 @@ class Generator:
             return FinishReason.STOP_TOKEN, token
         detokenizer = sequence.detokenizer
         if sequence.banned_guard is None and not sequence.heal_pending:  # the text goes to the stop matcher alone
-            text, stop_string = detokenizer.add((token,)), None
-            if sequence.stop_matcher is not None:
-                text, stop_string = sequence.stop_matcher.feed(text, can_stop)
+            text, stop_string = self._match_stops(sequence, detokenizer.add((token,)), can_stop)
         else:
             origin = generated - 1 - detokenizer.num_held
             text = detokenizer.add((token,))
