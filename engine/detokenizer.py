@@ -39,6 +39,7 @@ from weakref import WeakKeyDictionary
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders
 
+from engine.gguf_tokenizer import byte_alphabet
 from engine.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -71,14 +72,6 @@ _TABLES: WeakKeyDictionary[object, tuple[int, dict[bool, list[bytes] | None]]] =
 _CHECK_SEQUENCES = 64
 
 
-def _byte_level_map() -> dict[str, int]:
-    """The byte-level alphabet's character -> the byte it stands for (GPT-2's bytes_to_unicode, inverted)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    others = [byte for byte in range(256) if byte not in printable]
-    return {chr(byte): byte for byte in printable} | {chr(256 + i): byte for i, byte in enumerate(others)}
-
-
 def byte_table(tokenizer: object, skip_special_tokens: bool) -> list[bytes] | None:
     """Each token id's bytes as decode() concatenates them (skipped special tokens: none), or None
     when decode() is not a plain byte-level decoding (another decoder, a wrapper of its own) or the
@@ -102,7 +95,7 @@ def byte_table(tokenizer: object, skip_special_tokens: bool) -> list[bytes] | No
 def _build_table(backend: BackendTokenizer, size: int, skip_special_tokens: bool) -> list[bytes] | None:
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
-    alphabet = _byte_level_map()
+    alphabet = {char: byte for byte, char in byte_alphabet().items()}
     to_bytes = {ord(char): byte for char, byte in alphabet.items()}  # str.translate, then latin-1: the bytes
     pieces: list[str | None] = [None] * size
     for piece, i in backend.get_vocab(with_added_tokens=False).items():

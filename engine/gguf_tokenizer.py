@@ -63,7 +63,7 @@ class GGUFTokenizerParts:
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the spelling of byte-level vocabularies)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
@@ -123,7 +123,7 @@ def read_tokenizer(gguf: GGUFFile) -> GGUFTokenizerParts:
 
 def _byte_level(gguf: GGUFFile, tokens: list[str]) -> tuple[BackendTokenizer, list[str]]:
     """Byte-level BPE; tokens spelled outside the byte alphabet are respelled byte by byte."""
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     tokens = [t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
     merges = [_merge_pair(m, gguf) for m in gguf.value("tokenizer.ggml.merges", [])]
@@ -203,7 +203,7 @@ def _add_marked_tokens(backend: BackendTokenizer, tokens: list[str], types: list
     tokens, so text mentioning them is never split into pieces. In a byte-level
     vocabulary a "control" token spelled outside the byte alphabet is a converter
     mislabel and stays an ordinary token."""
-    spelled = set(_byte_alphabet().values())
+    spelled = set(byte_alphabet().values())
     control = [
         AddedToken(token, special=True, normalized=False)
         for token, kind in zip(tokens, types)

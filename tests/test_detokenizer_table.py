@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 import engine.detokenizer
 from engine.detokenizer import IncrementalDetokenizer, byte_table
+from engine.gguf_tokenizer import byte_alphabet
 from engine.tokenizer import Tokenizer
 
 FFFD = "\ufffd"
@@ -45,7 +46,7 @@ def spelled(backend: BackendTokenizer, data: bytes, rng: random.Random | None = 
     """Tokens spelling data (but bytes the vocabulary lacks): one per byte, or (with rng) pieces cut
     at random places, each one token where the vocabulary has it (so tokens may end inside
     characters), else one per byte."""
-    alphabet = {byte: char for char, byte in engine.detokenizer._byte_level_map().items()}
+    alphabet = byte_alphabet()
     cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 8)))) if rng else []
     ids: list[int] = []
     for start, end in zip([0, *cuts], [*cuts, len(data)]) if rng else [(i, i + 1) for i in range(len(data))]:
