@@ -19,6 +19,7 @@ ENV PYTHONUNBUFFERED=1 \
 RUN useradd --create-home --uid 10001 genq
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY chat_template chat_template
 COPY engine engine
 COPY kernels kernels
 COPY worker worker

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.genq-installed
 
-.PHONY: run test chaos bench install clean
+.PHONY: run test chaos bench gpu-check install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 # The full chaos run (1,000 tasks, worker SIGKILLs, Redis kill -9 and restart, poison
@@ -31,6 +32,11 @@ chaos: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine_throughput.py
+
+# Accept a GPU: parity, kernels, speed against the HBM roofline, a worker burst; on a machine
+# without one, the dry run only (docs/gpu.md). Writes bench/results/gpu_acceptance.{json,png}.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_acceptance.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

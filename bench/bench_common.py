@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.tiny_model import make_tiny_model, model_config
+from genq_dev.tiny_model import make_tiny_model, model_config
 
 BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
 MODEL_CACHE = BENCH_DIR / ".models"
 RESULTS_DIR = BENCH_DIR / "results"
 
@@ -134,6 +135,22 @@ def ensure_model(preset: str, family: str = "llama", seed: int = 0, cache_dir: P
     return make_tiny_model(out, family, preset, seed=seed)
 
 
+def results_json(results: Any) -> str:
+    """The results as JSON, with every path inside the repository written relative to its root, so a
+    results file names the machine but holds none of its absolute paths."""
+
+    def portable(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: portable(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [portable(item) for item in value]
+        if isinstance(value, str) and value.startswith(f"{REPO_ROOT}/"):
+            return value[len(str(REPO_ROOT)) + 1:]
+        return value
+
+    return json.dumps(portable(results), indent=2) + "\n"
+
+
 def write_results(
     results: dict[str, Any],
     out: Path,
@@ -147,7 +164,7 @@ def write_results(
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{name}_quick" if quick else name
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    json_path.write_text(results_json(results))
     plot(results, png_path)
     progress(f"wrote {json_path} and {png_path}")
     print(table(results))

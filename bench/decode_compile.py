@@ -1,5 +1,5 @@
 """Does torch.compile make the CPU decode forward faster? (issue 10: keep
-whichever is faster, with the measurement in the README.)
+whichever is faster, with the measurement in docs/benchmarks.md.)
 
 One tiny-model generator, N jobs decoding (16-token prompts, greedy, as in
 host_overhead.py), the median forward time of a decode step measured twice in

@@ -2,7 +2,7 @@
 
 One run measures, per model (random-weight llama "tiny" and "small" presets, or a
 real checkpoint given with --model: an HF directory or a .gguf file, such as the
-SmolLM2-135M-Instruct Q4_1 file engine/real_model.py fetches; a GGUF is
+SmolLM2-135M-Instruct Q4_1 file genq_dev/demo_model.py fetches; a GGUF is
 dequantized to fp32 at load by the engine and by transformers alike):
   engine     genq's Generator: all requests enqueued at once, then iterate() until done;
   hf-padded  transformers generate() on left-padded static batches (several batch
@@ -87,7 +87,7 @@ from transformers import AutoModelForCausalLM
 from engine import Generator, Tokenizer
 from engine.gguf_file import GGUFFile, is_gguf
 from engine.progress import LoadProgress
-from engine.tiny_model import PRESETS, count_parameters
+from genq_dev.tiny_model import PRESETS, count_parameters
 
 SYSTEMS = ("engine", "hf-padded", "hf-cb")
 MODELS = ("tiny", "small")

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_info()
     warn_if_busy(args.threads)
     if args.gguf is None:
-        from engine.real_model import fetch_smollm2
+        from genq_dev.demo_model import fetch_smollm2
 
         args.gguf = fetch_smollm2()
     model_dir = hf_directory(args.gguf)

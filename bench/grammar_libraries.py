@@ -170,7 +170,7 @@ def replay(library: Any, grammar: Any, ids: list[int], wrong: list[int], eos: in
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.real_model import fetch_smollm2
+    from genq_dev.demo_model import fetch_smollm2
 
     tokenizer = Tokenizer.from_pretrained(args.gguf or fetch_smollm2())
     docs = documents()

@@ -37,7 +37,7 @@ PYTHONPATH (`git archive REV | tar -x -C DIR`; PYTHONPATH=DIR) and pass
 --label: the sampler timer falls back to engine.generator.sample there.
 
 With `--label NAME` the run is stored under that label; the labels already in
-the JSON are kept, so the README's before/after table comes from one file.
+the JSON are kept, so docs/benchmarks.md's before/after table comes from one file.
 Writes bench/results/host_overhead.{json,png} (host_overhead_quick.* with
 --quick) and prints a markdown table.
 """

@@ -34,9 +34,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import reference as ref  # noqa: E402
+from bench_common import RESULTS_DIR, results_json  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from kernels import reference as ref  # noqa: E402
 
 FULL = dict(hidden=4096, inter=14336, hq=32, hkv=8, d=128, page=16)
 TOY = dict(hidden=64, inter=64, hq=4, hkv=2, d=64, page=16)
@@ -64,6 +64,20 @@ def attention_inputs(q_lens: list[int], ctx_lens: list[int], s: dict[str, int], 
     q = torch.randn(int(sum(q_lens)), s["hq"], s["d"], device=device, dtype=dtype)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, page_table, cu, ctx
+
+
+def gathered_for_sdpa(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pt: torch.Tensor, length: int,
+                      s: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode batch (every context `length` long) as SDPA's best case: query [B, Hq, 1, D], and the
+    cache already gathered into contiguous [B, Hkv, L, D] keys and values."""
+    batch = pt.shape[0]
+    pages_per = -(-length // s["page"])
+    idx = pt[:, :pages_per].reshape(-1).long()
+    keys = kc.index_select(1, idx).view(s["hkv"], batch, pages_per * s["page"], s["d"])
+    keys = keys[:, :, :length].transpose(0, 1).contiguous()
+    vals = vc.index_select(1, idx).view(s["hkv"], batch, pages_per * s["page"], s["d"])
+    vals = vals[:, :, :length].transpose(0, 1).contiguous()
+    return q.view(batch, 1, s["hq"], s["d"]).transpose(1, 2), keys, vals
 
 
 def run(smoke: bool) -> list[dict[str, Any]]:
@@ -128,15 +142,7 @@ def run(smoke: bool) -> list[dict[str, Any]]:
             "torch": partial(ref.paged_attention, q, kc, vc, pt, cu, ctx, scale),
         }
         if label == "decode":
-            # SDPA's best case: the cache already gathered into one contiguous [B, Hkv, L, D] tensor
-            batch, length = len(ctx_lens), ctx_lens[0]
-            pages_per = -(-length // s["page"])
-            idx = pt[:, :pages_per].reshape(-1).long()
-            keys = kc.index_select(1, idx).view(s["hkv"], batch, pages_per * s["page"], s["d"])
-            keys = keys[:, :, :length].transpose(0, 1).contiguous()
-            vals = vc.index_select(1, idx).view(s["hkv"], batch, pages_per * s["page"], s["d"])
-            vals = vals[:, :, :length].transpose(0, 1).contiguous()
-            qd = q.view(batch, 1, s["hq"], s["d"]).transpose(1, 2)
+            qd, keys, vals = gathered_for_sdpa(q, kc, vc, pt, ctx_lens[0], s)
             timings["sdpa_gathered"] = partial(F.scaled_dot_product_attention, qd, keys, vals, scale=scale,
                                                enable_gqa=True)
         record(f"paged_attention {label}", f"q_lens={sorted(set(q_lens))}x{len(q_lens)} ctx={sorted(set(ctx_lens))}",
@@ -181,7 +187,7 @@ def main() -> int:
     rows = run(smoke=False)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = {"gpu": gpu, "torch": torch.__version__, "dtype": "bfloat16", "rows": rows}
-    (RESULTS_DIR / "kernels.json").write_text(json.dumps(out, indent=2))
+    (RESULTS_DIR / "kernels.json").write_text(results_json(out))
     plot(rows, RESULTS_DIR / "kernels.png", gpu)
     print(f"wrote {RESULTS_DIR / 'kernels.json'} and kernels.png ({gpu})")
     return 0

@@ -41,7 +41,7 @@
     draft tokens per verify step (a verify step = a decode step of one job that
     carried a draft), tokens per decode step per job, and whether the outputs
     equal the no-speculation run's (greedy must be exact). Verify steps come from
-    replaying the engine's drafting rule (engine.speculative.ngram_draft, cut to
+    replaying the engine's drafting rule (engine.spec_decode.ngram_draft, cut to
     min(num_draft_tokens, max_new_tokens - generated - 1)) over the
     no-speculation output; the replay's drafted/accepted totals are checked
     against the engine's stats, which cross-checks the engine's bookkeeping.
@@ -92,8 +92,8 @@ from engine_throughput import compare_tokens
 from prefix_spec_report import markdown_table, plot
 
 from engine import Generator, Job
-from engine.speculative import ngram_draft
-from engine.tiny_model import PRESETS, count_parameters
+from engine.spec_decode import ngram_draft
+from genq_dev.tiny_model import PRESETS, count_parameters
 
 PARTS = ("prefix", "speculation")
 DEDUP_TARGET_RATIO = 1 / 8

@@ -53,7 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--per-group", type=int, default=12, help="requests per system prompt")
     parser.add_argument("--system-chars", type=int, default=1500, help="length of each system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--preset", default="tiny", help="tiny model preset (engine/tiny_model.py)")
+    parser.add_argument("--preset", default="tiny", help="tiny model preset (genq_dev/tiny_model.py)")
     parser.add_argument("--cache-tokens", type=int, default=None,
                         help="KV cache per worker (default: about half of all the system prompts' tokens)")
     parser.add_argument("--quick", action="store_true", help="4 groups x 6 requests")

@@ -35,10 +35,10 @@ import kernels
 from engine import Generator, Job
 from engine.cache import KVCache
 from engine.model import CausalLM
-from engine.perplexity import TextScores, score_text
-from engine.real_model import fetch_smollm2
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
+from genq_dev.demo_model import fetch_smollm2
+from genq_dev.perplexity import TextScores, score_text
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -29,7 +29,6 @@ every op by a busy neighbour.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_common import RESULTS_DIR, load_average, machine_info, progress
+from bench_common import RESULTS_DIR, load_average, machine_info, progress, results_json
 
 from engine.batch import ForwardBatch
 from engine.quantized_linear import QuantizedLinear, quantize_weight
@@ -102,8 +101,8 @@ def kernel_table() -> dict[str, dict[str, dict[str, float]]]:
 def decode_steps() -> dict[str, dict[str, float]]:
     """ms per SmolLM2 decode step (fp32) and linear-weight bytes, per quantize setting."""
     from engine.cache import KVCache
-    from engine.real_model import fetch_smollm2
     from engine.weights import load_model
+    from genq_dev.demo_model import fetch_smollm2
 
     path = fetch_smollm2()
     out: dict[str, dict[str, float]] = {}
@@ -184,7 +183,7 @@ def main() -> None:
     if SMOKE:
         return
     RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "quantized_linear.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS_DIR / "quantized_linear.json").write_text(results_json(result))
     plot(result["kernels_us_per_layer"], RESULTS_DIR / "quantized_linear.png")
     progress(f"wrote {RESULTS_DIR / 'quantized_linear.json'}")
 

@@ -87,7 +87,7 @@ from service_runners import (
 from throughput_runners import Request, Trace, WorkloadSpec, make_workload, pages_needed, run_engine
 
 from engine import Generator, Tokenizer
-from engine.tiny_model import PRESETS, count_parameters
+from genq_dev.tiny_model import PRESETS, count_parameters
 from worker.processes import RedisServer, WorkerProcess
 
 SINGLE_NEW_TOKENS = 8

@@ -20,7 +20,7 @@ def _pair(values: dict[str, float | None], digits: int, sign: bool = False) -> s
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    """The table the README quotes: per model, both paths and their difference."""
+    """The table docs/benchmarks.md quotes: per model, both paths and their difference."""
     lines = [
         "| model | path | generated tok/s | first chunk p50 / p99, all at once (ms) "
         "| first chunk p50 / p99, one at a time (ms) | outputs equal to the engine's |",

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_info()
     warn_if_busy(args.threads)
     if args.model is None:
-        from engine.real_model import fetch_smollm2
+        from genq_dev.demo_model import fetch_smollm2
 
         args.model = fetch_smollm2()
     tokenizer = Generator.from_pretrained(args.model, cache_tokens=256).tokenizer

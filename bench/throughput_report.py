@@ -44,7 +44,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    """The table the README quotes, one row per (model, system)."""
+    """The table docs/benchmarks.md quotes, one row per (model, system)."""
     lines = [
         "| model | system | generated tok/s | total tok/s | TTFT p50 / p90 / p99 (ms) "
         "| ITL p50 / p90 / p99 (ms) | wall (s) | MFU |",

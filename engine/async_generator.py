@@ -95,8 +95,8 @@ class AsyncGenerator:
     async def _drive(self) -> None:
         while self._busy():
             refused, results = await asyncio.to_thread(self._step)
-            for async_job, error in refused:
-                async_job._queue.put_nowait(error)
+            for refused_job, error in refused:
+                refused_job._queue.put_nowait(error)
             for result in results:
                 with self._lock:
                     async_job = self._active.get(id(result.job))

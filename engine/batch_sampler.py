@@ -1,23 +1,28 @@
 """The engine's sampler: per-job sampling state kept as batch tensors across steps.
 
-engine.sampling's functional API rebuilds every per-row tensor from Python
-settings and id lists on each call, which costs O(batch x context) host work
-per step. Here (as in vLLM v1's persistent InputBatch) a running job owns a
+Rebuilding every per-row tensor from Python settings and id lists on each call
+would cost O(batch x context) host work per step. Here (as in vLLM v1's
+persistent InputBatch) a running job owns a
 slot from its first sampled token until it finishes, is cancelled or is
 preempted, and the slot's rows of persistent tensors hold its settings
-(temperature, top-p, min-p, penalties), its seed and draw counter, its logit
-bias, and, when any job uses penalties, the prompt/output token presence and
-output counts. Joining or leaving writes one slot; each step gathers the
-batch's slots and, after the draw, updates counts and counters on the device
-from the sampled ids. The host never reads a tensor back except the sampled ids.
+(temperature, top-p, min-p, penalties), its seed, its logit bias, and, when
+any job uses penalties, the prompt/output token presence and output counts.
+Joining or leaving writes one slot; each step gathers the batch's slots and,
+after the draw, updates the counts on the device from the sampled ids. The
+host never reads a tensor back except the sampled ids.
 What exllamav2's further samplers add per slot (mirostat's mu, ...) lives in
 engine.slot_extras.
 
-Randomness is counter-based: a sampled row's uniform is a hash of (seed,
-number of tokens the job has generated), so a seeded job draws the same
-tokens whatever shares its batch, and also after a preemption (its slot is
-rebuilt with the same counter). The speculative path draws from the job's
-torch.Generator instead and reports its tokens through record().
+Randomness is counter-based: a row's uniform is a hash of (seed, the index of
+the token it draws among the job's generated tokens), so a seeded job draws the
+same tokens whatever shares its batch, after a preemption, and whether or not a
+step speculates: a verify row for the job's token n (after n - g accepted draft
+tokens) uses the very uniform a plain step would use for token n, and a draft
+model draws its token n with it too (engine/spec_decode.py). Rows carry their
+context (engine/sampling_state.SampleRow): draft tokens not yet accepted count
+for the penalties of the rows after them, and only committed rows move the
+slot's counts and mirostat's mu; verification reports what it kept through
+record().
 """
 
 from __future__ import annotations
@@ -30,19 +35,19 @@ import torch
 
 from engine.constraints import unpack_masks
 from engine.outputs import TokenLogprob
+from engine.sampler_settings import SamplerSettings
 from engine.sampling import (
     BatchInputs,
-    SamplerSettings,
-    allowed_only,
     choose,
     distribution,
     edited_logits,
     raise_empty_distribution,
 )
-from engine.sequence import Sequence
+from engine.sampling_state import SampleRow
 from engine.slot_extras import SlotExtras
 
 _MASK32 = 0xFFFFFFFF
+_DRAW_OFFSET = 0x9E3779B9  # 2^32 / golden ratio: any odd constant that hashes away from 0 would do
 
 
 @dataclass(frozen=True)
@@ -68,16 +73,24 @@ class SampledLogprobs:
         top = logprobs.topk(max(ks), dim=-1) if max(ks) else None
         return cls(rows, ks, chosen, top.values if top else None, top.indices if top else None)
 
-    def to_host(self, ids: Seq[int]) -> dict[int, TokenLogprob]:
-        """row -> the TokenLogprob of the token ids[i] it took (with its own number of alternatives;
-        tokens the job could not take, log-probability -inf, are not alternatives). One read-back."""
-        chosen = self.chosen.tolist()
-        values = self.top_values.tolist() if self.top_values is not None else [[]] * len(self.rows)
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else [[]] * len(self.rows)
-        return {
-            row: TokenLogprob(ids[i], chosen[i], tuple(
-                (t, v) for t, v in zip(top_ids[i][:k], values[i][:k], strict=True) if v != -math.inf))
-            for i, (row, k) in enumerate(zip(self.rows, self.ks, strict=True))
+    def read_back(self, tokens: torch.Tensor) -> tuple[list[int], dict[int, TokenLogprob]]:
+        """The step's sampled tokens ([B] on the device) and, row -> the TokenLogprob of the token
+        it took (with its own number of alternatives; tokens the job could not take,
+        log-probability -inf, are not alternatives), in one read-back: everything is packed into one
+        float64 tensor first (token ids are exact in float64)."""
+        width = 1 + 2 * max(self.ks)
+        parts = [tokens.double(), self.chosen.double()[:, None]]
+        if self.top_values is not None and self.top_ids is not None:
+            parts[1] = torch.cat([parts[1], self.top_values.double(), self.top_ids.double()], dim=1)
+        host = torch.cat([parts[0], parts[1].flatten()]).tolist()
+        ids = [int(t) for t in host[: tokens.shape[0]]]
+        rows = [host[tokens.shape[0] + i * width : tokens.shape[0] + (i + 1) * width] for i in range(len(self.rows))]
+        top = (width - 1) // 2
+        return ids, {
+            row: TokenLogprob(ids[row], values[0], tuple(
+                (int(t), v) for t, v in zip(values[1 + top : 1 + top + k], values[1 : 1 + k], strict=True)
+                if v != -math.inf))
+            for row, k, values in zip(self.rows, self.ks, rows, strict=True)
         }
 
 
@@ -90,8 +103,7 @@ class BatchSampler:
         self.vocab_size = vocab_size
         self.device = device
         self.params = torch.zeros(max_slots, 7, dtype=torch.float32, device=device)
-        # seed low 32 bits, seed high bits, tokens generated so far (the draw counter)
-        self.counters = torch.zeros(max_slots, 3, dtype=torch.int64, device=device)
+        self.seeds = torch.zeros(max_slots, 2, dtype=torch.int64, device=device)  # seed low 32 bits, high bits
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
@@ -101,18 +113,14 @@ class BatchSampler:
         self._settings: list[SamplerSettings] = [SamplerSettings.greedy()] * max_slots
         self._sampled: set[int] = set()
         self._edited: set[int] = set()
-        # Slots of jobs with a constraint / asking for logprobs: rows are looked for only when some are.
+        # Slots of jobs with a constraint / token healing / asking for logprobs / with min_new_tokens or
+        # banned strings: rows are looked at one by one only when some such job runs.
         self._constrained: set[int] = set()
+        self._healing: set[int] = set()
         self._logprobs_wanted: set[int] = set()
-        self._suppressing: dict[int, Sequence] = {}
-        self._banning: dict[int, Sequence] = {}  # jobs with banned strings: tokens a rewind banned
-        self._healing: dict[int, Sequence] = {}  # token healing: the first token is one of heal_mask's
-        self._last: tuple[torch.Tensor, torch.Tensor, list[Sequence]] | None = None
+        self._suppressing: set[int] = set()
+        self._last: tuple[torch.Tensor, torch.Tensor, list[SampleRow]] | None = None
         self.last_logprobs: SampledLogprobs | None = None
-
-    @property
-    def num_slots_used(self) -> int:
-        return len(self._slots)
 
     def release(self, serial: int) -> None:
         """The job left the running batch (finished, cancelled or preempted)."""
@@ -121,122 +129,118 @@ class BatchSampler:
             return
         self._free.append(slot)
         self.extras.release(slot)
-        self._sampled.discard(slot)
-        self._edited.discard(slot)
-        self._constrained.discard(slot)
-        self._logprobs_wanted.discard(slot)
-        self._suppressing.pop(serial, None)
-        self._banning.pop(serial, None)
-        self._healing.pop(serial, None)
-
-    @property
-    def _bans_pending(self) -> bool:
-        """Whether a job with banned strings has had a rewind (only then has it tokens to ban),
-        so such jobs stay on the plain-argmax path until one happens."""
-        return any(sequence.banned_at for sequence in self._banning.values())
+        for slots in (self._sampled, self._edited, self._constrained, self._healing, self._logprobs_wanted,
+                      self._suppressing):
+            slots.discard(slot)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
-        """One token per row ([B] int64 on the device); a row that no token can be
-        drawn for (every logit masked or non-finite) gets -1, see raise_for_row."""
-        slots = self._slots_of(sequences)
+    def sample(self, logits: torch.Tensor, rows: Seq[SampleRow], drafted: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """One token per row ([B] int64 on the device); a row that no token can be drawn for (every
+        logit masked or non-finite) gets -1, see raise_for_row. drafted: [B, k] a draft model's
+        earlier draws before each row, still on the device (-1: none): the penalties kept on the
+        device count them as they count `pending` tokens, and the rows ignore their grammar, whose
+        mask after those draws the host cannot know (engine/spec_decode.py)."""
+        slots = self._slots_of(rows)
         index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        self.counters[index, 2] += 1
-        constrained = [i for i, slot in enumerate(slots) if slot in self._constrained] if self._constrained else []
         wanted = [i for i, slot in enumerate(slots) if slot in self._logprobs_wanted] if self._logprobs_wanted else []
-        healing = [i for i, s in enumerate(sequences) if s.serial in self._healing and s.num_generated == 0
-                   ] if self._healing else []
-        if (not self._sampled and not self._edited and not self._suppressing and not self._bans_pending
-                and not constrained and not healing):
-            ids = logits.argmax(dim=-1)
-            self.last_logprobs = self._logprobs(logits, ids, index, wanted, sequences) if wanted else None
-            return ids
-        inputs = self._inputs(index, slots, sequences)
+        constrained = ([i for i, slot in enumerate(slots) if slot in self._constrained]
+                       if self._constrained and drafted is None else [])
+        healing = [i for i, r in enumerate(rows) if r.draw == 0 and slots[i] in self._healing] if self._healing else []
+        suppressed = self._suppressed(rows, slots) if self._suppressing else None
+        if (not self._sampled and not self._edited and suppressed is None and not constrained and not healing):
+            peak, ids = logits.max(dim=-1)  # a NaN or infinite row fails its job alone (raise_for_row)
+            self._last = (logits, logits, list(rows))
+            self.last_logprobs = self._logprobs(logits, ids, index, wanted, rows) if wanted else None
+            return torch.where(torch.isfinite(peak), ids, -1)
+        inputs = self._inputs(index, slots, rows, [i for i, r in enumerate(rows) if r.pending], drafted)
+        inputs.masked = suppressed
         if constrained or healing:
-            inputs.allowed = self._allowed(constrained, healing, sequences)
+            inputs.allowed = self._allowed(constrained, healing, rows)
         x, bad = edited_logits(logits, inputs)
-        uniform = self._uniforms(index) if self._sampled else None
+        uniform = self._uniforms(index, rows) if self._sampled else None
         ids, mirostat_mu = choose(x, inputs, uniform)
-        self.extras.drawn(index, mirostat_mu)
-        if self.counts is not None:
-            self.counts.index_put_((index, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-        if self.seen is not None:
-            self.seen[index, ids] = True
-        self._last = (logits, x, list(sequences))
-        self.last_logprobs = self._logprobs(x, ids, index, wanted, sequences) if wanted else None
+        committed = [i for i, r in enumerate(rows) if r.commit]
+        if committed:
+            self.extras.drawn(index, mirostat_mu, rows)
+            self._count(index if len(committed) == len(rows) else index[committed],
+                        ids if len(committed) == len(rows) else ids[committed])
+        self._last = (logits, x, list(rows))
+        self.last_logprobs = self._logprobs(x, ids, index, wanted, rows) if wanted else None
         return torch.where(bad, -1, ids)
 
     @torch.inference_mode()
-    def distribution(self, logits: torch.Tensor, sequences: Seq[Sequence]) -> torch.Tensor:
+    def distribution(self, logits: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
         """The [B, V] distribution the next sample() draws each row from (greedy rows: one-hot;
         constraints and token healing aside), without drawing or moving any state."""
-        slots = self._slots_of(sequences)
+        slots = self._slots_of(rows)
         index = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        inputs = self._inputs(index, slots, sequences)
+        inputs = self._inputs(index, slots, rows, [i for i, r in enumerate(rows) if r.pending])
+        inputs.masked = self._suppressed(rows, slots) if self._suppressing else None
         return distribution(edited_logits(logits, inputs)[0], inputs)
 
-    def _slots_of(self, sequences: Seq[Sequence]) -> list[int]:
-        """Each sequence's slot, given to it (and written) on its first sampled token."""
-        slots = [self._slots.get(s.serial) for s in sequences]
-        return [self._add(sequence) if slot is None else slot for sequence, slot in zip(sequences, slots, strict=True)]
+    def _slots_of(self, rows: Seq[SampleRow]) -> list[int]:
+        """Each row's job's slot, given to it (and written) on its first draw (once, however many of
+        its rows the batch holds)."""
+        slots = []
+        for row in rows:
+            slot = self._slots.get(row.sequence.serial)
+            slots.append(self._add(row) if slot is None else slot)
+        return slots
 
     def _logprobs(self, x: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, wanted: list[int],
-                  sequences: Seq[Sequence]) -> SampledLogprobs:
+                  rows: Seq[SampleRow]) -> SampledLogprobs:
         """The wanted rows' log-probabilities of their sampled ids and their top alternatives, on the device."""
-        rows = torch.tensor(wanted, device=self.device)
-        return SampledLogprobs.compute(x[rows], self.params[index[rows], _TEMPERATURE], ids[rows], wanted,
-                                       [sequences[i].job.top_logprobs for i in wanted])
+        at = torch.tensor(wanted, device=self.device)
+        return SampledLogprobs.compute(x[at], self.params[index[at], _TEMPERATURE], ids[at], wanted,
+                                       [rows[i].sequence.job.top_logprobs for i in wanted])
 
     def raise_for_row(self, row: int) -> None:
         """Raise the error that names why row of the last sample() had nothing to draw."""
         if self._last is None:
             raise RuntimeError("no sample() to explain")
-        logits, x, sequences = self._last
-        sequence = sequences[row]
-        suppress = sequence.stop_token_ids if sequence.num_generated < sequence.job.min_new_tokens else ()
-        raise_empty_distribution(row, logits, x, sequence.job.gen_settings, tuple(suppress))
+        logits, x, rows = self._last
+        raise_empty_distribution(row, logits, x, rows[row].sequence.job.gen_settings, rows[row].suppressed)
 
     @torch.inference_mode()
-    def record(self, sequence: Sequence, tokens: Seq[int]) -> None:
-        """Tokens a job emitted outside sample() (speculative verification)."""
-        slot = self._slots.get(sequence.serial)
-        if slot is None:
+    def record(self, serial: int, tokens: Seq[int]) -> None:
+        """Tokens a job emitted outside sample()'s commits (kept by speculative verification)."""
+        slot = self._slots.get(serial)
+        if slot is None or not tokens:
             return
-        self.counters[slot, 2] += len(tokens)
         ids = torch.tensor([t for t in tokens if 0 <= t < self.vocab_size], dtype=torch.long, device=self.device)
-        if self.counts is not None:
-            self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-        if self.seen is not None:
-            self.seen[slot, ids] = True
+        self._count(torch.full_like(ids, slot), ids)
 
-    def _add(self, sequence: Sequence) -> int:
+    def _count(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """Committed tokens enter the slots' presence and count tables (penalties read them)."""
+        if self.counts is not None:
+            self.counts.index_put_((slots, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        if self.seen is not None:
+            self.seen[slots, ids] = True
+
+    def _add(self, row: SampleRow) -> int:
         """Give a job a slot and write its settings and token statistics there."""
         if not self._free:
             raise RuntimeError("more sampling jobs than slots (max_batch_size)")
+        sequence, state = row.sequence, row.state
         slot = self._free.pop()
         self._slots[sequence.serial] = slot
-        settings = sequence.job.gen_settings
+        job = sequence.job
+        settings = job.gen_settings
         self._settings[slot] = settings
         self.params[slot] = torch.tensor([
             settings.temperature, settings.top_p, settings.min_p, settings.repetition_penalty,
             settings.frequency_penalty, settings.presence_penalty, settings.top_a,
         ])
-        seed = sequence.seed
-        self.counters[slot] = torch.tensor([seed & _MASK32, seed >> 32, sequence.num_generated])
-        if not settings.is_greedy:
-            self._sampled.add(slot)
-        if settings._edits_logits:
-            self._edited.add(slot)
-        if sequence.constraint is not None:
-            self._constrained.add(slot)
-        if sequence.job.logprobs:
-            self._logprobs_wanted.add(slot)
-        if sequence.num_generated < sequence.job.min_new_tokens and sequence.stop_token_ids:
-            self._suppressing[sequence.serial] = sequence
-        if sequence.job.banned_strings:
-            self._banning[sequence.serial] = sequence
-        if sequence.heal_mask is not None:
-            self._healing[sequence.serial] = sequence
+        self.seeds[slot] = torch.tensor([state.seed & _MASK32, state.seed >> 32])
+        for wanted, slots in ((not settings.is_greedy, self._sampled), (settings._edits_logits, self._edited),
+                              (state.constraint is not None, self._constrained),
+                              (state.heal_mask is not None, self._healing),
+                              (job.logprobs, self._logprobs_wanted),
+                              ((job.min_new_tokens > 0 and bool(state.stop_token_ids)) or bool(job.banned_strings),
+                               self._suppressing)):
+            if wanted:
+                slots.add(slot)
         vocab = self.vocab_size
         ids = torch.tensor([t for t in sequence.token_ids if 0 <= t < vocab], dtype=torch.long, device=self.device)
         outputs = torch.tensor([t for t in sequence.output_ids if 0 <= t < vocab], dtype=torch.long,
@@ -256,16 +260,18 @@ class BatchSampler:
         if self.bias is not None:
             self.bias[slot] = 0.0
             if settings.allowed_token_ids:
-                self.bias[slot] = allowed_only(settings.allowed_token_ids, vocab, self.device)
+                self.bias[slot] = -torch.inf
+                self.bias[slot, list(settings.allowed_token_ids)] = 0.0
             if settings.token_bias:
                 biased = torch.tensor(list(settings.token_bias.keys()), dtype=torch.long, device=self.device)
                 self.bias[slot, biased] += torch.tensor(list(settings.token_bias.values()), device=self.device)
             if settings.banned_token_ids:
                 self.bias[slot, list(settings.banned_token_ids)] = -torch.inf
-        self.extras.add(slot, sequence)
+        self.extras.add(slot, row)
         return slot
 
-    def _inputs(self, index: torch.Tensor, slots: list[int], sequences: Seq[Sequence]) -> BatchInputs:
+    def _inputs(self, index: torch.Tensor, slots: list[int], rows: Seq[SampleRow], pending: list[int],
+                drafted: torch.Tensor | None = None) -> BatchInputs:
         params = self.params[index]
         inputs = BatchInputs(
             settings=[self._settings[slot] for slot in slots],
@@ -284,52 +290,82 @@ class BatchSampler:
                 inputs.frequency_penalty = params[:, _FREQUENCY]
                 inputs.presence_penalty = params[:, _PRESENCE]
                 inputs.counts = self.counts[index]
-        if self._suppressing or self._bans_pending:
-            inputs.masked = self._suppressed(sequences)
-        self.extras.fill(inputs, index, slots, sequences)
+            if pending:
+                self._add_pending(inputs, rows, pending)
+            if drafted is not None and drafted.shape[1]:
+                self._add_drafted(inputs, drafted)
+        self.extras.fill(inputs, index, slots, rows)
         return inputs
 
-    def _allowed(self, constrained: list[int], healing: list[int], sequences: Seq[Sequence]
+    def _add_pending(self, inputs: BatchInputs, rows: Seq[SampleRow], pending: list[int]) -> None:
+        """Draft tokens before a verify or draft row count for its penalties as if they were generated."""
+        at = [i for i in pending for t in rows[i].pending if 0 <= t < self.vocab_size]
+        ids = [t for i in pending for t in rows[i].pending if 0 <= t < self.vocab_size]
+        if not ids:
+            return
+        where = (torch.tensor(at, device=self.device), torch.tensor(ids, device=self.device))
+        if inputs.seen is not None:
+            inputs.seen[where] = True
+        if inputs.counts is not None:
+            inputs.counts.index_put_(where, torch.ones(len(ids), device=self.device), accumulate=True)
+
+    def _add_drafted(self, inputs: BatchInputs, drafted: torch.Tensor) -> None:
+        """Draft tokens on the device ([B, k], -1: none) count for the penalties as pending ones do."""
+        if inputs.seen is None and inputs.counts is None:
+            return
+        hits = torch.zeros(drafted.shape[0], self.vocab_size, device=self.device).scatter_add_(
+            1, drafted.clamp(min=0), (drafted >= 0).float())
+        if inputs.seen is not None:
+            inputs.seen |= hits > 0
+        if inputs.counts is not None:
+            inputs.counts += hits
+
+    def _allowed(self, constrained: list[int], healing: list[int], rows: Seq[SampleRow]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, [R, V] bool): the constrained jobs' masks (computed while the forward ran), then
-        the token-healing jobs' masks for their first token."""
-        parts = []
-        if constrained:
-            states = [sequences[row].constraint for row in constrained]
-            parts.append(unpack_masks([state for state in states if state is not None], self.vocab_size))
-        for row in healing:
-            mask = sequences[row].heal_mask
-            assert mask is not None
-            parts.append(mask[None])
-        allowed = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return torch.tensor(constrained + healing, device=self.device), allowed.to(self.device, non_blocking=True)
+        """(rows, [R, V] bool) in row order: the constrained rows' masks (their own, else their job's
+        current one, computed while the forward ran) and the token-healing rows' masks for their
+        first token."""
+        masks: dict[int, torch.Tensor] = {}
+        current = [i for i in constrained if rows[i].allowed is None]
+        if current:
+            states = [rows[i].state.constraint for i in current]
+            unpacked = unpack_masks([state for state in states if state is not None], self.vocab_size)
+            masks.update(zip(current, unpacked, strict=True))
+        for i in constrained:
+            given = rows[i].allowed
+            if given is not None:
+                masks[i] = given
+        for i in healing:
+            heal = rows[i].state.heal_mask
+            assert heal is not None
+            masks[i] = heal
+        order = sorted(masks)
+        allowed = masks[order[0]][None] if len(order) == 1 else torch.stack([masks[i] for i in order])
+        return torch.tensor(order, device=self.device), allowed.to(self.device, non_blocking=True)
 
-    def _suppressed(self, sequences: Seq[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _suppressed(self, rows: Seq[SampleRow], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, ids) of stop tokens blocked while min_new_tokens is not reached, and of tokens a
-        banned-string rewind banned at this position."""
-        for serial, sequence in list(self._suppressing.items()):
-            if sequence.num_generated >= sequence.job.min_new_tokens:
-                del self._suppressing[serial]
-        if not self._suppressing and not self._bans_pending:
-            return None
-        rows: list[int] = []
+        banned-string rewind banned at a row's position."""
+        at: list[int] = []
         ids: list[int] = []
-        for row, sequence in enumerate(sequences):
-            blocked = [*sequence.stop_token_ids] if sequence.serial in self._suppressing else []
-            if sequence.serial in self._banning:
-                blocked += sequence.banned_now
-            blocked = [t for t in blocked if 0 <= t < self.vocab_size]
-            rows += [row] * len(blocked)
-            ids += blocked
-        if not rows:
+        for i, row in enumerate(rows):
+            if slots[i] in self._suppressing:
+                blocked = [t for t in row.suppressed if 0 <= t < self.vocab_size]
+                at += [i] * len(blocked)
+                ids += blocked
+        if not at:
             return None
-        return torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)
+        return torch.tensor(at, device=self.device), torch.tensor(ids, device=self.device)
 
-    def _uniforms(self, index: torch.Tensor) -> torch.Tensor:
-        """[B] uniforms in [0, 1): a hash of each row's seed and draw counter (24 bits, like torch.rand)."""
-        counters = self.counters[index]
-        mixed = _mix32(counters[:, 0] ^ _mix32(counters[:, 1] ^ _mix32((counters[:, 2] - 1) & _MASK32)))
-        return (mixed >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    def _uniforms(self, index: torch.Tensor, rows: Seq[SampleRow]) -> torch.Tensor:
+        """[B] uniforms in (0, 1): a hash of each row's seed and draw index, 24 bits centred in their
+        interval (never exactly 0, which would take the first token with any mass at all). The draw
+        index is offset by a constant before hashing, since the hash maps 0 to 0: seed 0's first draw
+        must be as random as any other."""
+        seeds = self.seeds[index]
+        draws = torch.tensor([r.draw for r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        mixed = _mix32(seeds[:, 0] ^ _mix32(seeds[:, 1] ^ _mix32((draws ^ _DRAW_OFFSET) & _MASK32)))
+        return ((mixed >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:

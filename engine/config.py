@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,11 +123,6 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
-
-    def layer_rope(self, layer: int) -> RopeConfig:
-        if self.sliding_rope is not None and self.layer_window(layer) is not None:
-            return self.sliding_rope
-        return self.rope
 
     def layer_is_moe(self, layer: int) -> bool:
         if self.num_experts == 0:
@@ -325,33 +320,26 @@ def _rope_config(
         original = 4096 if family == "phi3" else max_pos
     original = int(original)
     if rope_type == "longrope":
-        return _longrope(base, params, original, max_pos, head_dim)
+        return _longrope(base, params, original, head_dim)
     factor = params.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 0:
         raise ModelLoadError(f"rope_scaling factor={factor!r} must be a positive number for rope_type={rope_type!r}")
-    common: dict[str, Any] = {
-        "theta": theta,
-        "rope_type": rope_type,
-        "factor": float(factor),
-        "partial_rotary_factor": partial,
-        "max_position_embeddings": max_pos,
-        "original_max_position_embeddings": original,
-    }
+    scaled = replace(base, rope_type=rope_type, factor=float(factor), original_max_position_embeddings=original)
     if rope_type == "llama3":
-        return RopeConfig(
-            **common,
+        return replace(
+            scaled,
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         )
     if rope_type == "yarn":
-        return RopeConfig(
-            **common,
+        return replace(
+            scaled,
             attention_factor=_yarn_attention_factor(params, float(factor)),
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
             truncate=bool(params.get("truncate", True)),
         )
-    return RopeConfig(**common)
+    return scaled
 
 
 def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
@@ -368,26 +356,28 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     return mscale(factor)
 
 
-def _longrope(base: RopeConfig, params: dict[str, Any], original: int, max_pos: int, head_dim: int) -> RopeConfig:
+def _longrope(base: RopeConfig, params: dict[str, Any], original: int, head_dim: int) -> RopeConfig:
     pairs = base.rotary_dim(head_dim) // 2
-    lists = {}
-    for key in ("short_factor", "long_factor"):
+
+    def factors(key: str) -> tuple[float, ...]:
         values = params.get(key)
         if not isinstance(values, list) or len(values) != pairs:
             raise ModelLoadError(
                 f"rope_scaling {key} must be a list of {pairs} numbers (rotary dim / 2), got {values!r}")
-        lists[key] = tuple(float(v) for v in values)
-    factor = float(params.get("factor") or max_pos / original)
+        return tuple(float(v) for v in values)
+
+    short_factor = factors("short_factor")
+    long_factor = factors("long_factor")
+    factor = float(params.get("factor") or base.max_position_embeddings / original)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeConfig(
-        theta=base.theta,
+    return replace(
+        base,
         rope_type="longrope",
         factor=factor,
-        partial_rotary_factor=base.partial_rotary_factor,
-        max_position_embeddings=max_pos,
         original_max_position_embeddings=original,
         attention_factor=float(attention_factor),
-        **lists,
+        short_factor=short_factor,
+        long_factor=long_factor,
     )

@@ -19,75 +19,55 @@ admits nothing but the end stops at once with eos_reason
 "constraint_complete" instead of spending a forward on a forced EOS
 (exllamav2's filter_prefer_eos). Grammars are compiled once per
 (constraint, tokenizer) and cached.
+
+Starting a grammar can take seconds (a 5,400-property JSON Schema builds its matcher in about
+2 s; the regex `(a{1000}){1000}` spends as long on its first mask), so JobSetup starts it on
+the compile threads, never on the engine loop: llguidance releases the GIL while it builds a
+matcher and computes a mask (bench: a Python thread beside it is never held up more than
+25 ms), so a thread is enough here. The job joins the scheduler when its matcher and first mask
+are ready, within a ConstraintBudget. llguidance's parser limits (LLParserLimits) are checked
+at the start too: the first token is tried on a copy of the matcher, because some limits
+(max_items_in_row, the lexer's expression fuel) only trip once a token is consumed, and a limit
+that trips is reported as one line naming it (verbose_errors off: never the parser's state dump).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
 
 import llguidance
 import llguidance.torch
 import torch
 
+from engine.constraint_spec import Constraint
+from engine.engine_config import ConstraintBudget
 from engine.errors import JobRejected
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "gbnf"]
 GRAMMAR_CACHE_SIZE = 256
+MATCHER_CACHE_SIZE = 64
 MASK_THREADS = 1
+MAX_ERROR_CHARS = 200
+"""A constraint's error is one line of at most this many characters."""
+_LIMIT_MESSAGES = (
+    ("Current row has", "max_items_in_row"),
+    ("Too many items", "step_max_items"),
+    ("grammar size (number of symbols) too big", "max_grammar_size"),
+    ("initial lexer configuration (grammar) too big", "initial_lexer_fuel"),
+    ("lexer precomputation failed", "initial_lexer_fuel"),
+    ("too many expressions constructed", "initial_lexer_fuel"),
+    ("fuel exhausted", "step_lexer_fuel"),
+    ("derivatives with total fuel", "step_lexer_fuel"),
+)
+"""llguidance's message when a parser limit trips -> the LLParserLimits field that did."""
 _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 """Row b: the 8 bits of byte value b, lowest first."""
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What a job's output must match; build one with the class methods."""
-
-    kind: ConstraintKind
-    source: str  # the schema as JSON, the pattern, the choices as a JSON list, or the grammar text
-
-    @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
-
-    @classmethod
-    def json_object(cls) -> Constraint:
-        """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
-        return cls("json_object", "")
-
-    @classmethod
-    def regex(cls, pattern: str) -> Constraint:
-        return cls("regex", pattern)
-
-    @classmethod
-    def choice(cls, options: Sequence[str]) -> Constraint:
-        if not options or not all(isinstance(o, str) and o for o in options):
-            raise ValueError("choice: needs at least one option, each a non-empty string")
-        return cls("choice", json.dumps(list(options)))
-
-    @classmethod
-    def grammar(cls, text: str, syntax: Literal["lark", "gbnf"] = "lark") -> Constraint:
-        return cls(syntax, text)
-
-    def llguidance_grammar(self) -> str:
-        """The constraint as an llguidance grammar; ValueError naming what is wrong."""
-        if self.kind in ("json_schema", "json_object"):
-            syntax, text = "json_schema", _compact(self.source if self.kind == "json_schema" else '{"type": "object"}')
-        else:
-            syntax, text = self.kind, self.source
-        try:
-            grammar = llguidance.grammar_from(syntax, text)
-        except Exception as error:  # noqa: BLE001 - the GBNF converter raises several kinds on bad input
-            raise ValueError(f"{self.kind}: {_one_line(str(error))}") from None
-        problem = llguidance.LLMatcher.validate_grammar(grammar)
-        if problem:
-            raise ValueError(f"{self.kind}: {_one_line(problem)}")
-        return grammar
 
 
 @dataclass
@@ -100,23 +80,100 @@ class MaskTimes:
     masks: int = 0
 
 
+def parser_limits(budget: ConstraintBudget) -> llguidance.LLParserLimits:
+    """llguidance's limits for a budget: its max_grammar_size; the others keep llguidance's defaults."""
+    return llguidance.LLParserLimits(max_grammar_size=budget.max_grammar_size, verbose_errors=False)
+
+
+@dataclass(frozen=True)
+class _Started:
+    """A grammar's pristine matcher and its first mask, shared by the jobs that start it (each
+    takes a deep copy of the matcher)."""
+
+    matcher: llguidance.LLMatcher
+    first_mask: torch.Tensor
+
+
 class ConstraintCompiler:
-    """A tokenizer's llguidance view, and the grammars compiled for it (cached)."""
+    """A tokenizer's llguidance view, and the grammars started for it (cached)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+        self.mask_eos = _in_vocab(eos_token_id, vocab_size)
         self.times = MaskTimes()
         # Masks are computed here while the model's forward runs (llguidance releases the GIL).
         self.pool = ThreadPoolExecutor(MASK_THREADS, thread_name_prefix="genq-masks")
+        self._started: OrderedDict[tuple[Constraint, ConstraintBudget], Future[_Started]] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def start(self, grammar: str, stop_token_ids: frozenset[int]) -> ConstraintState:
-        """A fresh matcher for one job, on a grammar check_constraint() returned."""
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
-        if matcher.is_error():
-            raise JobRejected(f"constraint: {matcher.get_error()}")
-        return ConstraintState(matcher, self.vocab_size, self.eos_token_id, stop_token_ids, self.pool, self.times)
+    def start(self, constraint: Constraint, stop_token_ids: frozenset[int], budget: ConstraintBudget
+              ) -> ConstraintState:
+        """A fresh matcher for one job, its first mask computed (slow for a large grammar: call it
+        off the engine loop); JobRejected, one line, when the grammar does not compile or trips
+        one of llguidance's limits on its first token. A grammar is started once (its failure
+        too): jobs starting it meanwhile wait for that start, and later ones copy its matcher."""
+        key = (constraint, budget)
+        with self._lock:
+            entry = self._started.get(key)
+            owner = entry is None
+            if entry is None:
+                entry = self._started[key] = Future()
+                while len(self._started) > MATCHER_CACHE_SIZE:
+                    self._started.popitem(last=False)
+            else:
+                self._started.move_to_end(key)
+        if owner:
+            try:
+                entry.set_result(self._start(constraint, budget))
+            except BaseException as error:
+                entry.set_exception(error)
+        started = entry.result()
+        return ConstraintState(started.matcher.deep_copy(), self.vocab_size, self.eos_token_id, stop_token_ids,
+                               self.pool, self.times, started.first_mask)
+
+    def _start(self, constraint: Constraint, budget: ConstraintBudget) -> _Started:
+        grammar = check_constraint(constraint)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=parser_limits(budget), log_level=0)
+        first_mask = _fill_mask(matcher, self.mask_eos, (self.vocab_size + 31) // 32)
+        probe = matcher.deep_copy()
+        allowed = _unpack(first_mask[None], [[]], None, self.vocab_size)[0].nonzero().flatten().tolist()
+        first = next((t for t in allowed if t != self.mask_eos), None)
+        if first is not None and not matcher.is_error():
+            probe.consume_token(first)
+            _fill_mask(probe, self.mask_eos, first_mask.shape[0])
+        for tried in (matcher, probe):
+            if tried.is_error():
+                raise JobRejected(f"constraint: {constraint.kind}: "
+                                  f"{limit_problem(tried.get_error(), parser_limits(budget))}")
+        return _Started(matcher, first_mask)
+
+
+def limit_problem(error: str, limits: llguidance.LLParserLimits | None = None) -> str:
+    """llguidance's error as one line; a parser limit that tripped is named with its value in
+    `limits` (llguidance's defaults if not given)."""
+    line = _one_line(error.replace("<non-verbose/>", ""))
+    for message, name in _LIMIT_MESSAGES:
+        if message in line:
+            value = getattr(limits or llguidance.LLParserLimits(), name)
+            line = f"over llguidance's {name} limit ({value}): {line}"
+            break
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _in_vocab(token: int | None, vocab_size: int) -> int | None:
+    return token if token is not None and 0 <= token < vocab_size else None
+
+
+def _fill_mask(matcher: llguidance.LLMatcher, eos_token_id: int | None, words: int) -> torch.Tensor:
+    """[words] int32: the matcher's next-token mask (only the EOS bit once it has stopped)."""
+    bitmask = torch.zeros(1, words, dtype=torch.int32)
+    if not matcher.is_stopped():
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+    elif eos_token_id is not None:
+        bitmask[0, eos_token_id // 32] = 1 << (eos_token_id % 32)
+    return bitmask[0]
 
 
 def _one_line(problem: str) -> str:
@@ -147,8 +204,23 @@ def check_constraint(constraint: Constraint) -> str:
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def compiled_grammar(constraint: Constraint) -> str:
-    """The constraint's llguidance grammar, checked (ValueError naming the problem); cached."""
-    return constraint.llguidance_grammar()
+    """The constraint as an llguidance grammar, checked (ValueError naming what is wrong); cached."""
+    kind = constraint.kind
+    syntax: llguidance.GrammarFormat
+    if kind == "json_schema" or kind == "json_object":
+        source = constraint.source if kind == "json_schema" else '{"type": "object"}'
+        syntax, text = "json_schema", _compact(source)
+    else:
+        syntax, text = kind, constraint.source
+    try:
+        grammar = llguidance.grammar_from(syntax, text)
+    except Exception as error:  # noqa: BLE001 - the GBNF converter raises several kinds on bad input
+        raise ValueError(f"{constraint.kind}: {limit_problem(str(error))}") from None
+    limits = parser_limits(ConstraintBudget())
+    problem = llguidance.LLMatcher.validate_grammar(grammar, limits=limits)
+    if problem:
+        raise ValueError(f"{constraint.kind}: {limit_problem(problem, limits)}")
+    return grammar
 
 
 class ConstraintState:
@@ -159,16 +231,17 @@ class ConstraintState:
     token, allowed once the output may end) becomes the job's stop tokens."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_id: int | None,
-                 stop_token_ids: frozenset[int], pool: ThreadPoolExecutor, times: MaskTimes) -> None:
+                 stop_token_ids: frozenset[int], pool: ThreadPoolExecutor, times: MaskTimes,
+                 first_mask: torch.Tensor) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id if eos_token_id is not None and 0 <= eos_token_id < vocab_size else None
+        self.eos_token_id = _in_vocab(eos_token_id, vocab_size)
         self.stop_token_ids = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
         self.pool = pool
         self.times = times
         self.bitmask_words = (vocab_size + 31) // 32
         self.complete = matcher.is_stopped()
-        self._mask: torch.Tensor | Future[torch.Tensor] = self._compute()
+        self._mask: torch.Tensor | Future[torch.Tensor] = first_mask
 
     def packed_mask(self) -> torch.Tensor:
         """[ceil(vocab / 32)] int32: bit t of the mask says whether token t may come next
@@ -179,20 +252,24 @@ class ConstraintState:
             self.times.waited_s += time.perf_counter() - started
         return self._mask
 
-    def consume(self, tokens: Sequence[int]) -> None:
+    def consume(self, tokens: Sequence[int]) -> int:
         """Advance past the tokens a step appended (a stop token ends the job and is not consumed),
-        then start computing the next mask."""
+        then start computing the next mask. Returns how many tokens the grammar took: up to the one
+        that completed it, when a verified step's tokens go on past its end (a draft that ended where
+        the grammar did, then the bonus token), or up to a stop token; else all."""
         stops = set(self.stop_token_ids)
         self.packed_mask()  # the mask thread must not read the matcher while it moves
-        for token in tokens:
+        for taken, token in enumerate(tokens):
             if token in stops:
-                return
+                return taken
             if not self.matcher.consume_token(token):
-                raise RuntimeError(f"constraint: token {token} was sampled but the grammar refuses it "
-                                   f"({self.matcher.get_error()})")
-        self.complete = self.matcher.is_stopped()
-        if not self.complete:
-            self._mask = self.pool.submit(self._compute)
+                raise RuntimeError(f"constraint: token {token} was sampled but the grammar refuses it: "
+                                   f"{limit_problem(self.matcher.get_error())}")
+            if self.matcher.is_stopped():
+                self.complete = True
+                return taken + 1
+        self._mask = self.pool.submit(self._compute)
+        return len(tokens)
 
     def valid_prefix(self, draft: Sequence[int]) -> list[int]:
         """The longest start of a speculative draft the grammar accepts (stop tokens end it)."""
@@ -216,14 +293,10 @@ class ConstraintState:
 
     def _compute(self) -> torch.Tensor:
         started = time.perf_counter()
-        bitmask = torch.zeros(1, self.bitmask_words, dtype=torch.int32)
-        if not self.matcher.is_stopped():
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
-        elif self.eos_token_id is not None:
-            bitmask[0, self.eos_token_id // 32] = 1 << (self.eos_token_id % 32)
+        mask = _fill_mask(self.matcher, self.eos_token_id, self.bitmask_words)
         self.times.computed_s += time.perf_counter() - started
         self.times.masks += 1
-        return bitmask[0]
+        return mask
 
 
 def unpack_masks(states: Sequence[ConstraintState], vocab_size: int) -> torch.Tensor:

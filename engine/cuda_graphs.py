@@ -14,16 +14,25 @@ so no scratch page is needed and the cache is never touched elsewhere; their
 logits are dropped. The buffers hold the whole page-table width, since the
 paged-attention kernel stops at each row's context length.
 
-Only what a graph can replay is captured: the Triton kernels (no host syncs),
-dense models (the MoE dispatch reads segment sizes on the host), RoPE tables
-that need no host work. With `capture=False` the same padded buffers run
-eagerly: that is how the tests check the padding on a CPU, and the fallback
-where graphs are unavailable.
+What a graph holds is DecodeGraphs.region(bucket): the model over the first
+`bucket` rows of the static buffers. A graph replays fixed kernels over fixed
+memory, so the region must read nothing back to the host and every shape in it
+must follow from the bucket alone; tests/test_cuda_graphs.py runs each bucket's
+region on the fake CUDA device (tests/fake_gpu.py) at full model size and checks
+both. Not graphed: dynamic RoPE (its tables are rebuilt on the host when a
+context outgrows them), and MoE in bf16 on devices where torch's grouped GEMM
+has no kernel of its own (compute capability other than 9.x and 10.x: its
+fallback reads the expert offsets back, docs/gpu.md).
+
+How a region is captured is a parameter (`capture`): CUDA graphs on a CUDA
+device, `eager` elsewhere (the same padded buffers, the region run at each
+replay: how the tests check the padding on a CPU and run the regions on fake
+tensors, and the fallback where graphs are unavailable).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -31,22 +40,62 @@ from engine.batch import ForwardBatch
 from engine.model import CausalLM
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, *range(16, 257, 16))
+GROUPED_GEMM_CAPABILITIES = (9, 10)  # compute capability majors where torch._grouped_mm reads nothing back
+
+Region = Callable[[], torch.Tensor]
+Capture = Callable[[Region], Region]  # a region -> what replays it
 
 
-def graphable(model: CausalLM) -> bool:
-    """Whether every operation of the model's decode forward can be replayed from a graph."""
+def graphable(model: CausalLM, capability: tuple[int, int] | None) -> bool:
+    """Whether every operation of the model's decode forward can be replayed from a graph on a
+    device of this compute capability (None: not a CUDA device, where nothing is captured)."""
     config = model.config
     ropes = [config.rope] + ([config.sliding_rope] if config.sliding_rope is not None else [])
-    return config.num_experts == 0 and all(rope.rope_type != "dynamic" for rope in ropes)
+    if any(rope.rope_type == "dynamic" for rope in ropes):
+        return False
+    grouped_gemm = config.num_experts > 0 and model.embed_tokens.weight.dtype == torch.bfloat16
+    return not grouped_gemm or capability is None or capability[0] in GROUPED_GEMM_CAPABILITIES
+
+
+def eager(region: Region) -> Region:
+    """No capture: each replay runs the region."""
+    return region
+
+
+class CudaGraphCapture:
+    """Captures regions into CUDA graphs; every graph shares one memory pool, as they never run at once."""
+
+    def __init__(self) -> None:
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # after the first capture
+
+    def __call__(self, region: Region) -> Region:
+        """Warm up on a side stream (kernels compiled, allocator primed), then capture. DecodeGraphs
+        fills the buffers with the step's real rows first, so the warm-up writes exactly the K/V
+        that step writes, and nothing else."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            region()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = region()
+        self._pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
 
 
 class DecodeGraphs:
     """Decode forwards over static buffers, replayed per batch-size bucket."""
 
     def __init__(self, model: CausalLM, max_batch: int, max_pages: int, device: torch.device,
-                 capture: bool | None = None, buckets: Iterable[int] = DEFAULT_BUCKETS) -> None:
+                 capture: Capture | None = None, buckets: Iterable[int] = DEFAULT_BUCKETS) -> None:
         self.model = model
-        self.capture = device.type == "cuda" if capture is None else capture
+        self.capture = capture or (CudaGraphCapture() if device.type == "cuda" else eager)
         self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
         size = self.buckets[-1]
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
@@ -58,9 +107,7 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(size, dtype=torch.long, device=device)
         self.runs: dict[int, int] = {}  # bucket -> decode steps run through it
         self.padded_rows = 0
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._pool: object | None = None
+        self._replays: dict[int, Region] = {}
 
     @property
     def max_batch(self) -> int:
@@ -83,13 +130,15 @@ class DecodeGraphs:
         self.runs[bucket] = self.runs.get(bucket, 0) + 1
         self.padded_rows += bucket - rows
         self._fill(batch, bucket)
-        if not self.capture:
-            return self.model(self._static_batch(bucket))[:rows]
-        graph = self._graphs.get(bucket)
-        if graph is None:
-            graph = self._capture(bucket)
-        graph.replay()
-        return self._outputs[bucket][:rows]
+        replay = self._replays.get(bucket)
+        if replay is None:
+            replay = self._replays[bucket] = self.capture(self.region(bucket))
+        return replay()[:rows]
+
+    def region(self, bucket: int) -> Region:
+        """What the bucket's graph holds: the model over the first `bucket` rows of the static buffers."""
+        batch = self._static_batch(bucket)
+        return lambda: self.model(batch)
 
     def _fill(self, batch: ForwardBatch, bucket: int) -> None:
         rows = batch.num_tokens
@@ -111,21 +160,3 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:bucket],
             logits_indices=self.logits_indices[:bucket],
         )
-
-    def _capture(self, bucket: int) -> torch.cuda.CUDAGraph:
-        """Warm up on a side stream (kernels compiled, allocator primed), then capture;
-        every bucket shares one memory pool, as the graphs never run at once. The
-        buffers already hold the step's real rows (run() fills them first), so the
-        warm-up writes exactly the K/V that step writes, and nothing else."""
-        batch = self._static_batch(bucket)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.model(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._outputs[bucket] = self.model(batch)
-        self._pool = graph.pool()
-        self._graphs[bucket] = graph
-        return graph

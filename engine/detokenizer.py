@@ -98,9 +98,9 @@ def _build_table(backend: BackendTokenizer, size: int, skip_special_tokens: bool
     alphabet = {char: byte for byte, char in byte_alphabet().items()}
     to_bytes = {ord(char): byte for char, byte in alphabet.items()}  # str.translate, then latin-1: the bytes
     pieces: list[str | None] = [None] * size
-    for piece, i in backend.get_vocab(with_added_tokens=False).items():
+    for vocab_piece, i in backend.get_vocab(with_added_tokens=False).items():
         if i < size:
-            pieces[i] = piece
+            pieces[i] = vocab_piece
     added = backend.get_added_tokens_decoder()
     singles = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=skip_special_tokens)
     table = []

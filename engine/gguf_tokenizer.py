@@ -185,7 +185,7 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
     piece, then vocabulary order."""
     index = {token: i for i, token in enumerate(tokens)}
     score_of = dict(zip(tokens, scores))
-    candidates = []
+    candidates: list[tuple[float, str, str]] = []
     for token, score in score_of.items():
         splits = [
             (token[:cut], token[cut:])

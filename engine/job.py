@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from engine.constraints import Constraint
+from engine.constraint_spec import Constraint
 from engine.embeddings import Embedding
-from engine.sampling import SamplerSettings
+from engine.sampler_settings import SamplerSettings
 
 MAX_TOP_LOGPROBS = 20
 
@@ -30,7 +30,11 @@ class Job:
     regenerates it among the tokens that begin with its text, so a prompt cut
     mid-word ("print('Hel") continues as the model would have tokenized it;
     only the text the regenerated token adds is emitted. Unlike exllamav2 the
-    regenerated token counts as a generated token (new_tokens, max_new_tokens)."""
+    regenerated token counts as a generated token (new_tokens, max_new_tokens).
+    `prompt_logprobs=k` (vLLM's) scores every prompt token given the tokens before it, with its
+    k best alternatives, from the raw model distribution (log_softmax of the logits: no bias,
+    penalty or temperature); the prefill computes them, so such a prompt is never read from the
+    prefix cache (engine/prompt_logprobs.py)."""
 
     def __init__(
         self,
@@ -46,6 +50,7 @@ class Job:
         constraint: Constraint | None = None,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        prompt_logprobs: int | None = None,
         priority: int = 0,
         max_skips: int | None = None,
         banned_strings: Iterable[str] | str = (),
@@ -88,6 +93,13 @@ class Job:
         # top_logprobs implies logprobs, as in OpenAI's API
         self.logprobs = bool(logprobs) or top_logprobs > 0
         self.top_logprobs = top_logprobs
+        if prompt_logprobs is not None and (not isinstance(prompt_logprobs, int) or isinstance(prompt_logprobs, bool)
+                                            or not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {prompt_logprobs!r}")
+        if prompt_logprobs is not None and self.embeddings:
+            raise ValueError("prompt_logprobs: not supported with embeddings (their positions hold no token to score)")
+        self.prompt_logprobs = prompt_logprobs
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer (lower is admitted first), got {priority!r}")
         self.priority = priority
@@ -102,7 +114,8 @@ class Job:
         """n parallel samples of this job, as vLLM's n makes child requests: the same prompt and
         settings, seeds seed, seed + 1, ... (or each its own random seed when seed is None),
         identifiers (identifier, i). Enqueued together (generator.enqueue(list)) they are admitted
-        in one step and share the prompt's pages, so the prompt is computed once."""
+        in one step and share the prompt's pages, so the prompt is computed once. Only sample 0
+        keeps prompt_logprobs (one prompt, scored once); the others read its pages."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         children = []
@@ -111,6 +124,8 @@ class Job:
             child.seed = None if self.seed is None else (self.seed + i) % 2**63
             child.identifier = (self.identifier, i)
             child.serial = None
+            if i:
+                child.prompt_logprobs = None
             children.append(child)
         return children
 

@@ -35,6 +35,13 @@ from engine.sequence import Sequence
 HOLE = -1
 
 
+def _hit(page: int | None) -> int:
+    """A lookup's page where the prefix needs one: pages [first needed, best) of
+    cached_prefix() lie in one run of hits."""
+    assert page is not None, "a needed page of a cached prefix missed the cache"
+    return page
+
+
 @dataclass(frozen=True)
 class CachedPrefix:
     """A lookup result: page-table entries (HOLE where not needed) for the first
@@ -78,8 +85,9 @@ class KVManager:
 
     def cached_prefix(self, sequence: Sequence) -> CachedPrefix:
         """The longest run of the sequence's leading full pages the cache can
-        serve; the page with its last token is never taken (its logits are needed)."""
-        if not self.prefix_caching:
+        serve; the page with its last token is never taken (its logits are needed),
+        nor any page of a prompt whose every position is scored (Sequence.scores_prompt)."""
+        if not self.prefix_caching or sequence.scores_prompt:
             return CachedPrefix((), 0)
         usable = (len(sequence.token_ids) - 1) // self.page_size
         self._hash_pages(sequence, usable)
@@ -95,7 +103,7 @@ class KVManager:
             elif run_start <= self.first_needed_page((k + 1) * self.page_size):
                 best = k + 1
         first = self.first_needed_page(best * self.page_size)
-        pages = tuple(HOLE if k < first else found[k] for k in range(best))  # type: ignore[misc]
+        pages = tuple(HOLE if k < first else _hit(found[k]) for k in range(best))
         parked = sum(1 for page in pages if page != HOLE and self.pool.is_parked(page))
         return CachedPrefix(pages, parked)
 

@@ -86,6 +86,7 @@ class CausalLM(nn.Module):
         if cache.k.shape[0] != len(self.layers):
             raise ValueError(f"the cache has {cache.k.shape[0]} layers, the model {len(self.layers)}")
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
             attention = layer.self_attn
             attention.k_cache, attention.v_cache = cache.k[i], cache.v[i]
             attention.k_scales = cache.k_scales[i] if cache.k_scales is not None else None

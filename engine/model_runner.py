@@ -5,7 +5,8 @@ GPUModelRunner do), so the generator never builds tensors itself.
 One batch builder serves the main model's steps (prefill chunks, decodes,
 verify rows) and the draft model's autoregressive steps alike: a row is a
 sequence, the position of its first token this step, its token ids, and how
-many of its last positions need logits.
+many of its last positions need logits (all of them for a prompt whose
+log-probabilities are wanted: engine/prompt_logprobs.py).
 
 Persistent state: each running sequence owns a row of a page-table array
 that lives across steps. The row is rewritten only when the KV manager
@@ -24,10 +25,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from engine import device_info as devices
 from engine.batch import ForwardBatch
 from engine.cache import KVCache
 from engine.cuda_graphs import DecodeGraphs, graphable
 from engine.model import CausalLM
+from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 
 
@@ -40,6 +43,21 @@ class BatchRow:
     start: int
     tokens: Seq[int]
     num_logits: int
+
+    @classmethod
+    def scheduled(cls, item: ScheduledSequence, draft: Seq[int] = ()) -> BatchRow:
+        """The row of a scheduled sequence: its tokens computed this step, then the draft to verify;
+        a sampling row wants the logits of its last known token and of each draft token, and a
+        prompt being scored (Sequence.scores_prompt) those of every position."""
+        sequence = item.sequence
+        start = sequence.num_computed
+        if item.num_tokens == 1 and not draft:
+            return cls(sequence, start, (sequence.token_ids[start],), 1 if item.samples or sequence.scores_prompt
+                       else 0)
+        tokens = [*sequence.token_ids[start : start + item.num_tokens], *draft]
+        if sequence.scores_prompt:
+            return cls(sequence, start, tokens, len(tokens))
+        return cls(sequence, start, tokens, 1 + len(draft) if item.samples else 0)
 
 
 class BatchBuilder:
@@ -173,7 +191,9 @@ class ModelRunner:
         max_pages = -(-max_seq_len // cache.page_size) + 1
         self.builder = BatchBuilder(cache.page_size, max_rows, max_pages, self.device)
         wanted = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs = DecodeGraphs(model, max_rows, max_pages, self.device) if wanted and graphable(model) else None
+        capability = devices.current(self.device).capability if wanted and self.device.type == "cuda" else None
+        graphed = wanted and graphable(model, capability)
+        self.graphs = DecodeGraphs(model, max_rows, max_pages, self.device) if graphed else None
 
     def release(self, serial: int) -> None:
         self.builder.release(serial)
@@ -189,11 +209,16 @@ class ModelRunner:
             _bound(self.draft_model, self.draft_cache)(no_logits)
         return logits
 
-    def draft_forward(self, rows: Seq[BatchRow]) -> torch.Tensor:
-        """The draft model alone over one-token rows -> its logits."""
+    def draft_forward(self, rows: Seq[BatchRow], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft model alone over one-token rows -> its logits. input_ids: the rows' tokens on the
+        device, in place of the rows' own (a draft position's input is the draw of the position
+        before it, never read back: engine/spec_decode.py)."""
         if self.draft_model is None or self.draft_cache is None:
             raise RuntimeError("no draft model")
-        return _bound(self.draft_model, self.draft_cache)(self.builder.build(rows))
+        batch = self.builder.build(rows)
+        if input_ids is not None:
+            batch = replace(batch, input_ids=input_ids)
+        return _bound(self.draft_model, self.draft_cache)(batch)
 
 
 def _bound(model: CausalLM, cache: KVCache) -> CausalLM:

@@ -71,6 +71,9 @@ class EngineOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, for jobs that ask (Job(logprobs=...))
+    # Job(prompt_logprobs=k): one per prompt token (job.input_ids), the first None, from the raw model
+    # distribution (engine/prompt_logprobs.py); on the job's first result after its prefill, and its final one
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     curr_progress: int | None = None  # prefill stage: prompt tokens computed (or cached) so far
     max_progress: int | None = None  # prefill stage: prompt tokens in all
     eos_reason: FinishReason | None = None
@@ -104,10 +107,10 @@ class EngineOutput:
         if key in _ALWAYS:
             return True
         if key in _STEP_OPTIONAL:
-            return getattr(self, key) is not None  # type: ignore[arg-type]
+            return getattr(self, key) is not None
         if not self.eos or key not in _ALL:
             return False
-        return key not in _OPTIONAL or getattr(self, key) is not None  # type: ignore[arg-type]
+        return key not in _OPTIONAL or getattr(self, key) is not None
 
     def __getitem__(self, key: str) -> Any:
         if key not in self:
@@ -119,7 +122,7 @@ class EngineOutput:
 
 
 _ALL = tuple(f.name for f in fields(EngineOutput))
-_STEP_OPTIONAL = ("logprobs", "curr_progress", "max_progress")
+_STEP_OPTIONAL = ("logprobs", "prompt_logprobs", "curr_progress", "max_progress")
 """Keys of any result, present only when set."""
 _OPTIONAL = frozenset({"eos_token_id", "eos_token_str", "eos_string", "error", "completion_logprobs",
                        *_STEP_OPTIONAL})

@@ -78,7 +78,7 @@ would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -91,7 +91,7 @@ from kernels.quant_matmul import dequantize_weight, pack_int4, quant_matmul, unp
 QUANTIZE_FORMATS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 32
-# The projections quantize_linears() swaps by default: attention's and the dense MLP's.
+# The projections quantize_linears() swaps: attention's and the dense MLP's.
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 _BITS = {"int8": 8, "int4": 4}
@@ -183,6 +183,13 @@ class QuantizedLinear(nn.Module):
     layout ("cpu_int4pack": qweight tiled, scales_and_zeros [K / G, N, 2] in
     `dtype`), which only that kernel reads."""
 
+    # buffers (register_buffer in __init__); finalize() to "cpu_int4pack" swaps
+    # scales and offsets for scales_and_zeros
+    qweight: torch.Tensor
+    scales: torch.Tensor | None
+    offsets: torch.Tensor | None  # int4 only
+    scales_and_zeros: torch.Tensor | None
+
     def __init__(
         self,
         in_features: int,
@@ -249,7 +256,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"rows {start}..{start + weight.out_features} of a {self.out_features}-row layer")
         rows = slice(start, start + weight.out_features)
         self.qweight[rows] = weight.qweight
-        self.scales[rows] = weight.scales
+        self._row_scales()[rows] = weight.scales
         if self.offsets is not None and weight.offsets is not None:
             self.offsets[rows] = weight.offsets
 
@@ -257,13 +264,20 @@ class QuantizedLinear(nn.Module):
         """Lay the weights out for the kernel this layer's device and dtype take (see
         the module docstring); call once, after every row is loaded."""
         if self.layout == "rows" and self._uses_int4pack():
+            scales, offsets = self._row_scales(), self.offsets
+            assert offsets is not None, "an int4 layer has offsets"
             q = unpack_int4(self.qweight).to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INT4PACK_INNER_K_TILES)
-            zeros = self.offsets + 8 * self.scales
-            self.scales_and_zeros = torch.stack([self.scales, zeros], dim=-1).transpose(0, 1).contiguous().to(
+            zeros = offsets + 8 * scales
+            self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(
                 self.dtype)
             self.qweight, self.scales, self.offsets = packed, None, None
             self.layout = "cpu_int4pack"
+
+    def _row_scales(self) -> torch.Tensor:
+        """scales [N, K / G] of the "rows" layout (the only layout that keeps them)."""
+        assert self.scales is not None, f"no per-row scales in the {self.layout} layout"
+        return self.scales
 
     def _uses_int4pack(self) -> bool:
         return (
@@ -283,14 +297,14 @@ class QuantizedLinear(nn.Module):
             return _with_bias(out, self.bias).reshape(*x.shape[:-1], self.out_features)
         per_channel_int8 = self.bits == 8 and self.group_size == self.in_features
         if per_channel_int8 and x.device.type == "cpu" and not triton_enabled(x):
-            scales = self.scales.squeeze(1).to(x.dtype)
+            scales = self._row_scales().squeeze(1).to(x.dtype)
             if x.dtype in _ATEN_CPU_DTYPES:
                 out = torch.ops.aten._weight_int8pack_mm(_rows(x), self.qweight, scales)
                 return _with_bias(out, self.bias).reshape(*x.shape[:-1], self.out_features)
             if x.dtype == torch.float32:
                 # a row's scale factors out of its dot product (fp16 is left out: x @ q^T could overflow it)
                 return _with_bias(F.linear(x, self.qweight.to(x.dtype)) * scales, self.bias)
-        return quant_matmul(x, self.qweight, self.scales, self.offsets, self.bits, self.group_size, self.bias)
+        return quant_matmul(x, self.qweight, self._row_scales(), self.offsets, self.bits, self.group_size, self.bias)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [out_features, in_features] as the kernels see it (for tests and inspection)."""
@@ -301,7 +315,7 @@ class QuantizedLinear(nn.Module):
             columns = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 eye, self.qweight, self.group_size, self.scales_and_zeros)
             return columns.t().to(dtype)
-        return dequantize_weight(self.qweight, self.scales, self.offsets, self.bits, self.group_size, dtype)
+        return dequantize_weight(self.qweight, self._row_scales(), self.offsets, self.bits, self.group_size, dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of the quantized weight and its scales (and offsets), bias excluded."""
@@ -322,21 +336,15 @@ def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out + bias if bias is not None else out
 
 
-def quantize_linears(
-    model: nn.Module,
-    quantize: str,
-    group_size: int | None = None,
-    names: Iterable[str] = QUANTIZED_PROJECTIONS,
-) -> list[str]:
-    """Swap every nn.Linear whose attribute name is in `names` for an empty
+def quantize_linears(model: nn.Module, quantize: str, group_size: int | None = None) -> list[str]:
+    """Swap every nn.Linear whose attribute name is in QUANTIZED_PROJECTIONS for an empty
     QuantizedLinear on the same device (meta included) and dtype; returns the
     swapped modules' qualified names. Fill them with load_rows(), then finalize()."""
     check_format(quantize, group_size)
-    wanted = set(names)
     swapped: list[str] = []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if child_name not in wanted or type(child) is not nn.Linear:
+            if child_name not in QUANTIZED_PROJECTIONS or type(child) is not nn.Linear:
                 continue
             qualified = f"{parent_name}.{child_name}" if parent_name else child_name
             try:

@@ -108,6 +108,10 @@ class RotaryEmbedding(nn.Module):
     """cos/sin for a batch's positions under one RopeConfig (see the module
     docstring for the length-dependent scalings)."""
 
+    # buffers (register_buffer in __init__)
+    inv_freq: torch.Tensor
+    long_inv_freq: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         self.rope = rope

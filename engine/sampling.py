@@ -1,13 +1,13 @@
 """Per-job sampling settings applied to a whole batch of logits in one vectorized pass.
 
-Each engine step calls ``sample(logits, rows)`` with ``logits`` of shape [B, V] and one
-``SamplingRow`` per row. Every row carries its own ``SamplerSettings`` and its own seeded
-``torch.Generator``; the work is done with [B, V] tensor ops (as in vLLM's sampler), never
-with a Python loop over the vocabulary. The pipeline, in order (exllamav2's, whose sampler
-this follows for every setting it shares):
+The batched sampler (engine/batch_sampler.py) gathers each row's settings and state into
+BatchInputs and runs ``edited_logits`` then ``choose`` on logits of shape [B, V]; every row
+follows its own ``SamplerSettings`` (engine/sampler_settings.py), with [B, V] tensor ops (as in
+vLLM's sampler), never a Python loop over the vocabulary. The pipeline, in order (exllamav2's,
+whose sampler this follows for every setting it shares):
 
 1. ``token_bias`` is added to the logits; then ``banned_token_ids`` and the row's
-   ``suppress_ids`` (stop tokens while ``min_new_tokens`` is not reached) are set to -inf,
+   suppressed ids (stop tokens while ``min_new_tokens`` is not reached) are set to -inf,
    so a bias can never revive a banned token.
 2. Penalties. ``repetition_penalty`` (HF / CTRL) over prompt + generated ids: a seen
    token's positive logit is divided by the penalty, a negative one multiplied by it. With
@@ -50,7 +50,8 @@ this follows for every setting it shares):
 13. ``skew`` moves the draw along the sorted distribution: the row's uniform u becomes
     u^exp(-skew), i.e. token i's probability becomes F_i^exp(skew) - F_(i-1)^exp(skew)
     over the cumulative sorted mass F (positive skew favours less likely tokens).
-14. One token per row is drawn by inverse CDF from a single uniform of that row's generator.
+14. One token per row is drawn by inverse CDF from the row's uniform, a hash of its job's seed
+    and the index of the token drawn (engine/batch_sampler.py).
 
 Where genq departs from exllamav2's kernels, it does so on purpose: ``typical`` uses the
 paper's (and HF's) surprise -log p where exllamav2 adds p to log p, and keeps the token
@@ -58,8 +59,8 @@ that crosses the mass as top_p does; dynamic temperature normalizes the entropy 
 log of the number of tokens left with nonzero probability; XTC's least likely eligible
 token is the last one in the row's sorted order (ties: the higher id).
 
-Batch invariance: a row's draw depends only on its own logits, settings and generator.
-Every sampled row consumes exactly one uniform per step, greedy rows none, every step
+Batch invariance: a row's draw depends only on its own logits, settings, seed and draw index.
+Every step
 above is applied row by row (a step some rows of a group use leaves the others' values
 untouched), and whether a row's distribution is sorted depends only on its own settings,
 so a seeded job produces the same tokens whatever else shares its batch.
@@ -72,295 +73,23 @@ each step from 8 on runs only when some row of the batch enables it.
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "EmptyDistributionError",
-    "SamplerSettings",
-    "SamplerSettingsError",
-    "SamplingRow",
-    "TokenBias",
-    "sample",
-    "sampling_probs",
-]
+from engine.sampler_settings import (
+    DRY_MAX_NGRAM,
+    ROW_PARAM_COLUMN,
+    EmptyDistributionError,
+    SamplerSettings,
+)
 
-MAX_TEMPERATURE = 100.0
-MAX_ABS_OPENAI_PENALTY = 2.0
-MAX_ABS_SKEW = 10.0
-DRY_MAX_NGRAM = 20  # exllamav2's dry_max_ngram: the longest repeated sequence DRY looks for
 _TOP_P_TOLERANCE = 1e-6
 _NEGLIGIBLE = 1e-8  # exllamav2's candidates: tfs, typical and mirostat ignore probabilities below this
 _MIN_POST_TEMPERATURE = 1e-6  # a dynamic temperature of 0 (min_temp 0, entropy 0) reads as argmax
-
-# The newer samplers' per-row numbers (steps 4 and 8-13), one column each of BatchInputs.params.
-ROW_PARAMS = ("typical", "tfs", "skew", "smoothing_factor", "min_temp", "max_temp", "temp_exponent",
-              "temperature_last", "mirostat", "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold")
-_COLUMN = {name: i for i, name in enumerate(ROW_PARAMS)}
-
-
-class SamplerSettingsError(ValueError):
-    """A sampling setting is out of range; the message names the field and its limit."""
-
-
-class EmptyDistributionError(ValueError):
-    """Nothing is left to sample from in some row; the message names the settings to blame."""
-
-
-class TokenBias(Mapping[int, float]):
-    """Immutable, hashable token id -> additive logit bias, so SamplerSettings stays hashable."""
-
-    __slots__ = ("_map", "_hash")
-
-    def __init__(self, items: Mapping[int, float] | Iterable[tuple[int, float]] = ()) -> None:
-        pairs = items.items() if isinstance(items, Mapping) else items
-        bias: dict[int, float] = {}
-        for key, value in pairs:
-            token = _token_id(key, "token_bias key")
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise SamplerSettingsError(f"token_bias[{token}] must be a finite number, got {value!r}")
-            bias[token] = float(value)
-        self._map = dict(sorted(bias.items()))
-        self._hash = hash(tuple(self._map.items()))
-
-    def __getitem__(self, token: int) -> float:
-        return self._map[token]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._map)
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __repr__(self) -> str:
-        return f"TokenBias({self._map!r})"
-
-
-def _token_id(value: object, what: str) -> int:
-    """A token id as a plain int >= 0 (bools and floats are rejected, not coerced)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SamplerSettingsError(f"{what} must be an integer token id, got {value!r}")
-    if value < 0:
-        raise SamplerSettingsError(f"{what} must be a token id >= 0, got {value}")
-    return int(value)
-
-
-def _real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise SamplerSettingsError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _integer(name: str, value: object, meaning: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SamplerSettingsError(f"{name} must be an integer {meaning}, got {value!r}")
-    return int(value)
-
-
-def _token_set(name: str, values: Iterable[object]) -> tuple[int, ...]:
-    return tuple(sorted({_token_id(t, f"{name} entry") for t in values}))
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    """How one job picks its next token; immutable and hashable so jobs can share one."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    top_a: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    token_bias: Mapping[int, float] = field(default_factory=TokenBias)
-    banned_token_ids: tuple[int, ...] = ()
-    allowed_token_ids: tuple[int, ...] = ()  # exllamav2's allow_tokens: only these (empty = all)
-    # exllamav2's samplers beyond the common ones (steps 2 and 4-13 of the module docstring)
-    repetition_penalty_range: int = -1  # -1 = the whole context; else the last N tokens
-    repetition_penalty_decay: int = 0  # tokens before the range over which the penalty fades out
-    dry_multiplier: float = 0.0  # 0 = DRY off
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_range: int = 0  # 0 = the whole context
-    dry_sequence_breakers: tuple[int, ...] = ()  # token ids no repeated sequence runs through
-    smoothing_factor: float = 0.0  # 0 = off
-    tfs: float = 1.0  # 1 = off
-    typical: float = 1.0  # 1 = off
-    mirostat: bool = False  # mirostat v2
-    mirostat_tau: float = 1.5
-    mirostat_eta: float = 0.1
-    temperature_last: bool = False
-    min_temp: float = 0.0
-    max_temp: float = 0.0  # dynamic temperature is on when max_temp > min_temp
-    temp_exponent: float = 1.0
-    xtc_probability: float = 0.0  # 0 = XTC off
-    xtc_threshold: float = 0.1
-    xtc_ignore_tokens: tuple[int, ...] = ()  # token ids XTC never excludes
-    skew: float = 0.0
-
-    def __post_init__(self) -> None:
-        # Normalize first (ints -> floats, dict -> TokenBias, list -> tuple) so that equal
-        # settings compare and hash equal; vocab-independent ranges are checked here.
-        for name in ("temperature", "top_p", "min_p", "top_a", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty", "dry_multiplier", "dry_base", "smoothing_factor",
-                     "tfs", "typical", "mirostat_tau", "mirostat_eta", "min_temp", "max_temp", "temp_exponent",
-                     "xtc_probability", "xtc_threshold", "skew"):
-            object.__setattr__(self, name, _real(name, getattr(self, name)))
-        for name, meaning in (("top_k", ">= 0 (0 = off)"),
-                              ("repetition_penalty_range", ">= -1 (-1 = the whole context)"),
-                              ("repetition_penalty_decay", ">= 0"),
-                              ("dry_allowed_length", f"in [1, {DRY_MAX_NGRAM - 1}]"),
-                              ("dry_range", ">= 0 (0 = the whole context)")):
-            object.__setattr__(self, name, _integer(name, getattr(self, name), meaning))
-        for name in ("mirostat", "temperature_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise SamplerSettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.token_bias, TokenBias):
-            object.__setattr__(self, "token_bias", TokenBias(self.token_bias))
-        banned = tuple(_token_id(t, "banned_token_ids entry") for t in self.banned_token_ids)
-        object.__setattr__(self, "banned_token_ids", banned)
-        for name in ("allowed_token_ids", "dry_sequence_breakers", "xtc_ignore_tokens"):
-            object.__setattr__(self, name, _token_set(name, getattr(self, name)))
-        self._check_ranges()
-
-    def _check_ranges(self) -> None:
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise SamplerSettingsError(
-                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise SamplerSettingsError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplerSettingsError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("min_p", "top_a"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise SamplerSettingsError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0.0:
-            raise SamplerSettingsError(
-                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not -MAX_ABS_OPENAI_PENALTY <= value <= MAX_ABS_OPENAI_PENALTY:
-                raise SamplerSettingsError(
-                    f"{name} must be in [-{MAX_ABS_OPENAI_PENALTY:g}, {MAX_ABS_OPENAI_PENALTY:g}], got {value}")
-        self._check_exl2_ranges()
-
-    def _check_exl2_ranges(self) -> None:
-        limits = (
-            ("repetition_penalty_range", self.repetition_penalty_range >= -1, ">= -1 (-1 = the whole context)"),
-            ("repetition_penalty_decay", self.repetition_penalty_decay >= 0, ">= 0"),
-            ("dry_multiplier", self.dry_multiplier >= 0.0, ">= 0 (0 = off)"),
-            ("dry_base", self.dry_base >= 1.0, ">= 1"),
-            ("dry_allowed_length", 1 <= self.dry_allowed_length < DRY_MAX_NGRAM,
-             f"in [1, {DRY_MAX_NGRAM - 1}] (DRY matches sequences of at most {DRY_MAX_NGRAM} tokens)"),
-            ("dry_range", self.dry_range >= 0, ">= 0 (0 = the whole context)"),
-            ("smoothing_factor", self.smoothing_factor >= 0.0, ">= 0 (0 = off)"),
-            ("tfs", 0.0 < self.tfs <= 1.0, "in (0, 1] (1 = off)"),
-            ("typical", 0.0 < self.typical <= 1.0, "in (0, 1] (1 = off)"),
-            ("mirostat_tau", self.mirostat_tau >= 0.0, ">= 0"),
-            ("mirostat_eta", self.mirostat_eta >= 0.0, ">= 0"),
-            ("min_temp", 0.0 <= self.min_temp <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
-            ("max_temp", 0.0 <= self.max_temp <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
-            ("max_temp", self.max_temp >= self.min_temp or self.max_temp == 0.0,
-             f">= min_temp ({self.min_temp}) (dynamic temperature is on when max_temp > min_temp; 0 = off)"),
-            ("temp_exponent", self.temp_exponent > 0.0, "> 0"),
-            ("xtc_probability", 0.0 <= self.xtc_probability <= 1.0, "in [0, 1] (0 = off)"),
-            ("xtc_threshold", 0.0 <= self.xtc_threshold <= 1.0, "in [0, 1]"),
-            ("skew", -MAX_ABS_SKEW <= self.skew <= MAX_ABS_SKEW, f"in [-{MAX_ABS_SKEW:g}, {MAX_ABS_SKEW:g}] (0 = off)"),
-        )
-        for name, ok, limit in limits:
-            if not ok:
-                raise SamplerSettingsError(f"{name} must be {limit}, got {getattr(self, name)}")
-
-    @classmethod
-    def greedy(cls) -> SamplerSettings:
-        """Deterministic argmax decoding."""
-        return cls(temperature=0.0)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def stateful(self) -> bool:
-        """Whether a draw depends on the job's earlier draws beyond its tokens (mirostat's mu), which
-        speculative verification cannot follow: the generator decodes such jobs without drafts."""
-        return self.mirostat and not self.is_greedy
-
-    @property
-    def _has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
-
-    @property
-    def _edits_logits(self) -> bool:
-        """Whether steps 1-2 change anything, i.e. whether a greedy row can skip them."""
-        return (bool(self.token_bias) or bool(self.banned_token_ids) or bool(self.allowed_token_ids)
-                or self._has_penalties or self._dry)
-
-    @property
-    def _needs_sort(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.tfs < 1.0 or self.mirostat or self.skew != 0.0
-
-    @property
-    def _repetition_window(self) -> bool:
-        """Whether the repetition penalty weighs tokens by distance (range/decay) instead of presence."""
-        return self.repetition_penalty != 1.0 and self.repetition_penalty_range >= 0
-
-    @property
-    def _dry(self) -> bool:
-        return self.dry_multiplier > 0.0
-
-    @property
-    def _dynamic_temperature(self) -> bool:
-        return self.max_temp > self.min_temp
-
-    @property
-    def _xtc(self) -> bool:
-        return self.xtc_probability > 0.0
-
-    @property
-    def _uses_row_params(self) -> bool:
-        """Whether a sampled row runs any of steps 4 (smoothing) and 8-13, which read ROW_PARAMS."""
-        return (self.smoothing_factor > 0.0 or self.tfs < 1.0 or self.typical < 1.0 or self.mirostat
-                or self.temperature_last or self._dynamic_temperature or self._xtc or self.skew != 0.0)
-
-    def row_params(self) -> list[float]:
-        """This job's values of ROW_PARAMS, in that order (flags as 0/1)."""
-        return [float(getattr(self, name)) for name in ROW_PARAMS]
-
-    def validate(self, vocab_size: int) -> None:
-        """Check every range, and that each token id named here lies in [0, vocab_size)."""
-        self._check_ranges()
-        for name in ("banned_token_ids", "allowed_token_ids", "dry_sequence_breakers", "xtc_ignore_tokens"):
-            for token in getattr(self, name):
-                if token >= vocab_size:
-                    raise SamplerSettingsError(f"{name} contains {token}, outside the vocabulary [0, {vocab_size})")
-        for token in self.token_bias:
-            if token >= vocab_size:
-                raise SamplerSettingsError(
-                    f"token_bias key {token} is outside the vocabulary [0, {vocab_size})")
-
-
-@dataclass
-class SamplingRow:
-    """One batch row: its job's settings, the ids penalties look at, and the job's RNG."""
-
-    settings: SamplerSettings
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
-    generator: torch.Generator | None
-    suppress_ids: Sequence[int] = ()
-    # mirostat's state for this job (None: not started, 2 * mirostat_tau); sample() updates it
-    mirostat_mu: float | None = None
 
 
 @dataclass
@@ -405,7 +134,7 @@ class BatchInputs:
     def param(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """[R, 1]: the rows' values of one of ROW_PARAMS."""
         assert self.params is not None
-        return self.params[index, _COLUMN[name], None]
+        return self.params[index, ROW_PARAM_COLUMN[name], None]
 
 
 @dataclass
@@ -425,38 +154,6 @@ class Choice(NamedTuple):
 
     ids: torch.Tensor
     mirostat_mu: torch.Tensor | None
-
-
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Pick one token per row: int64 ids of shape [B] on the logits' device. A mirostat
-    row's mirostat_mu is updated in place (as exllamav2 updates its settings' mu)."""
-    _check_batch(logits, rows)
-    if _plain_greedy(rows):
-        return logits.argmax(dim=-1)
-    inputs = inputs_from_rows(logits, rows)
-    x, bad = edited_logits(logits, inputs)
-    _raise_if_bad(bad, logits, x, rows)
-    ids, mu = choose(x, inputs, _uniforms_from_rows(rows, logits.device))
-    if mu is not None:
-        for row, value in zip(rows, mu.tolist(), strict=True):
-            if row.settings.mirostat and not row.settings.is_greedy:
-                row.mirostat_mu = value
-    return ids
-
-
-def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The fp32 [B, V] distribution ``sample`` draws each row from (greedy rows: one-hot).
-
-    Speculative decoding needs it to accept or resample draft tokens exactly.
-    """
-    _check_batch(logits, rows)
-    if _plain_greedy(rows):
-        out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    inputs = inputs_from_rows(logits, rows)
-    x, bad = edited_logits(logits, inputs)
-    _raise_if_bad(bad, logits, x, rows)
-    return distribution(x, inputs)
 
 
 def edited_logits(logits: torch.Tensor, inputs: BatchInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -541,96 +238,8 @@ def distribution(x: torch.Tensor, inputs: BatchInputs) -> torch.Tensor:
     return out
 
 
-def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
-    if logits.shape[0] != len(rows):
-        raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} SamplingRows were given")
-    if not logits.is_floating_point():
-        raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
-
-
-def _plain_greedy(rows: Sequence[SamplingRow]) -> bool:
-    return all(r.settings.is_greedy and not r.settings._edits_logits and not len(r.suppress_ids)
-               for r in rows)
-
-
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def inputs_from_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> BatchInputs:
-    """BatchInputs built from per-row Python settings and id lists (the functional API)."""
-    device = logits.device
-    batch, vocab = logits.shape
-    settings = [r.settings for r in rows]
-    for i, r in enumerate(rows):
-        if not r.settings.is_greedy and r.generator is None:
-            raise ValueError(f"row {i} samples (temperature {r.settings.temperature}) "
-                             "but has no torch.Generator; only greedy rows may pass generator=None")
-    inputs = BatchInputs(
-        settings=settings,
-        temperature=torch.tensor([s.temperature for s in settings], device=device),
-        top_p=torch.tensor([s.top_p for s in settings], device=device),
-        min_p=torch.tensor([s.min_p for s in settings], device=device),
-        top_a=torch.tensor([s.top_a for s in settings], device=device),
-    )
-    bias_rows, bias_ids, bias_values, mask_rows, mask_ids = [], [], [], [], []
-    for i, (row, s) in enumerate(zip(rows, settings)):
-        bias_rows += [i] * len(s.token_bias)
-        bias_ids += list(s.token_bias.keys())
-        bias_values += list(s.token_bias.values())
-        masked = [*s.banned_token_ids, *(int(t) for t in row.suppress_ids)]
-        mask_rows += [i] * len(masked)
-        mask_ids += masked
-    if (bias_ids and max(bias_ids) >= vocab) or (mask_ids and (min(mask_ids) < 0 or max(mask_ids) >= vocab)):
-        _raise_out_of_vocab(rows, vocab)
-    if bias_rows:
-        inputs.bias = torch.zeros(batch, vocab, device=device).index_put_(
-            (_index(bias_rows, device), _index(bias_ids, device)),
-            torch.tensor(bias_values, device=device), accumulate=True)
-    restricted = [i for i, s in enumerate(settings) if s.allowed_token_ids]
-    if restricted:
-        inputs.bias = torch.zeros(batch, vocab, device=device) if inputs.bias is None else inputs.bias
-        for i in restricted:
-            inputs.bias[i] += allowed_only(settings[i].allowed_token_ids, vocab, device)
-    if mask_rows:
-        inputs.masked = (_index(mask_rows, device), _index(mask_ids, device))
-    if any(s.repetition_penalty != 1.0 for s in settings):
-        inputs.repetition_penalty = torch.tensor([s.repetition_penalty for s in settings], device=device)
-        inputs.seen = _token_counts([(r.prompt_ids, r.output_ids) for r in rows], vocab, device) > 0
-    if any(s.frequency_penalty != 0.0 or s.presence_penalty != 0.0 for s in settings):
-        inputs.frequency_penalty = torch.tensor([s.frequency_penalty for s in settings], device=device)
-        inputs.presence_penalty = torch.tensor([s.presence_penalty for s in settings], device=device)
-        inputs.counts = _token_counts([(r.output_ids,) for r in rows], vocab, device)
-    windowed = {i: _history(r) for i, r in enumerate(rows) if r.settings._repetition_window}
-    if windowed:
-        assert inputs.seen is not None
-        inputs.repetition_weight = inputs.seen.to(torch.float32)
-        inputs.repetition_weight[_index(list(windowed), device)] = repetition_weights(
-            [(windowed[i], settings[i]) for i in windowed], vocab, device)
-        inputs.seen = None
-    drying = [(i, _history(r), r.settings) for i, r in enumerate(rows) if r.settings._dry]
-    if drying:
-        inputs.dry = dry_inputs(drying, vocab, device)
-    if any(s._uses_row_params for s in settings):
-        inputs.params = torch.tensor([s.row_params() for s in settings], device=device)
-    if any(s.mirostat for s in settings):
-        inputs.mirostat_mu = torch.tensor(
-            [2.0 * s.mirostat_tau if r.mirostat_mu is None else r.mirostat_mu for r, s in zip(rows, settings)],
-            device=device)
-    if any(s._xtc and s.xtc_ignore_tokens for s in settings):
-        inputs.xtc_ignore = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
-        for i, s in enumerate(settings):
-            if s._xtc and s.xtc_ignore_tokens:
-                s.validate(vocab)
-                inputs.xtc_ignore[i, list(s.xtc_ignore_tokens)] = True
-    return inputs
-
-
-def _history(row: SamplingRow) -> list[int]:
-    """The row's context, prompt then generated ids, as the penalties with a range read it."""
-    return [*row.prompt_ids, *row.output_ids]
 
 
 def repetition_weights(rows: Sequence[tuple[Sequence[int], SamplerSettings]], vocab: int,
@@ -709,54 +318,6 @@ def dry_inputs(rows: Sequence[tuple[int, Sequence[int], SamplerSettings]], vocab
     rows_index = torch.cat([torch.full_like(ids, row) for row, ids, _ in parts])
     return (rows_index.to(device), torch.cat([ids for _, ids, _ in parts]).to(device),
             torch.cat([amounts for _, _, amounts in parts]).to(device))
-
-
-def _uniforms_from_rows(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-    """One uniform per sampled row from its own generator, in the order the rows'
-    groups are drawn (rows sharing a generator see the same sequence as before)."""
-    uniform = torch.zeros(len(rows), dtype=torch.float32)
-    order = sorted((i for i, r in enumerate(rows) if not r.settings.is_greedy),
-                   key=lambda i: rows[i].settings._needs_sort)
-    for i in order:
-        generator = rows[i].generator
-        assert generator is not None
-        uniform[i] = torch.rand(1, generator=generator, device=generator.device).item()
-    return uniform.to(device)
-
-
-def allowed_only(allowed: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """[vocab] additive bias: 0 for the allowed ids, -inf for every other."""
-    bias = torch.full((vocab,), -math.inf, device=device)
-    bias[list(allowed)] = 0.0
-    return bias
-
-
-def _raise_out_of_vocab(rows: Sequence[SamplingRow], vocab: int) -> None:
-    for i, row in enumerate(rows):
-        row.settings.validate(vocab)
-        for token in row.suppress_ids:
-            if not 0 <= token < vocab:
-                raise ValueError(f"suppress_ids of row {i} contains {token}, outside the vocabulary [0, {vocab})")
-
-
-def _token_counts(seqs: list[tuple[Sequence[int], ...]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[n, vocab] fp32 occurrence counts via one scatter_add over a padded [n, L] id tensor.
-
-    Padding and ids outside [0, vocab) go to a spare column ``vocab`` that is sliced off.
-    """
-    flat = [torch.cat([torch.as_tensor(part, dtype=torch.long).reshape(-1) for part in seq]) for seq in seqs]
-    ids = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True, padding_value=vocab).to(device)
-    ids = torch.where((ids < 0) | (ids >= vocab), vocab, ids)
-    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab]
-
-
-def _raise_if_bad(bad: torch.Tensor, logits: torch.Tensor, x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Fail with a named cause instead of sampling from NaN (one reduction, one sync)."""
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise_empty_distribution(i, logits, x, rows[i].settings, rows[i].suppress_ids)
 
 
 def raise_empty_distribution(

@@ -12,17 +12,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, field
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
+from chat_template import ChatTemplate, with_bos
 from engine.errors import ModelLoadError
 from engine.gguf_file import is_gguf, open_gguf
 from engine.gguf_tokenizer import read_tokenizer
@@ -77,29 +74,14 @@ def _select_template(value: Any, where: str) -> str | None:
     raise ModelLoadError(f"{where} must be a string or a list of {{name, template}} objects")
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # transformers overrides jinja's tojson, which would HTML-escape <, > and &.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    """The environment transformers renders chat templates in (Hub templates are untrusted: sandboxed)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+def _tool_use_template(value: Any) -> str | None:
+    """The template named "tool_use" in a list of {name, template}, which transformers renders
+    instead of the default when tools are given (Hermes 2 Pro ships one)."""
+    if not isinstance(value, list):
+        return None
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    template = named.get("tool_use")
+    return template if isinstance(template, str) else None
 
 
 @lru_cache(maxsize=4)
@@ -129,6 +111,7 @@ class Tokenizer:
     extra_special_tokens: Sequence[str] = ()
     add_bos_override: InitVar[bool | None] = None
     chat_template: str | None = None
+    tool_chat_template: str | None = None
     generation_eos_token_ids: Sequence[int] = ()
     source: str = "tokenizer"
 
@@ -198,17 +181,21 @@ class Tokenizer:
         if add_bos is not None and not isinstance(add_bos, bool):
             raise ModelLoadError(f"tokenizer_config.json add_bos_token must be true or false, got {add_bos!r}")
         template_file = root / "chat_template.jinja"
+        template: str | None
+        tool_template: str | None = None
         if template_file.is_file():
             # Newer checkpoints store the template on its own; it then takes precedence.
             template = template_file.read_text(encoding="utf-8")
         else:
             template = _select_template(config.get("chat_template"), "tokenizer_config.json chat_template")
+            tool_template = _tool_use_template(config.get("chat_template"))
         return cls(
             backend=backend,
             special_tokens=special_tokens,
             extra_special_tokens=extra_special_tokens,
             add_bos_override=add_bos,
             chat_template=template,
+            tool_chat_template=tool_template,
             generation_eos_token_ids=_as_id_list(generation.get("eos_token_id"), "generation_config.json eos_token_id"),
             source=str(root),
         )
@@ -230,6 +217,12 @@ class Tokenizer:
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """from_gguf for a .gguf file, from_dir for an HF model directory."""
         return cls.from_gguf(path) if is_gguf(path) else cls.from_dir(path)
+
+    @property
+    def chat(self) -> ChatTemplate:
+        """The chat templates with the special tokens they see: what renders a chat, torch-free
+        (the gateway renders with the same from the model card)."""
+        return ChatTemplate.of(self.chat_template, self.tool_chat_template, self.special_tokens)
 
     @property
     def bos_token(self) -> str | None:
@@ -282,31 +275,22 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
-        """Render a conversation exactly as transformers' apply_chat_template(tokenize=False) would.
-
-        template_kwargs reach the template too (e.g. enable_thinking for Qwen3).
-        """
+        """Render a conversation exactly as transformers' apply_chat_template(tokenize=False) would
+        (ChatTemplate.render, chat_template/): tools and documents reach the template as the
+        variables of those names, template_kwargs too (e.g. enable_thinking for Qwen3)."""
         if not self.chat_template:
             raise ModelLoadError(
                 f"{self.source} has no chat template: tokenizer_config.json has no 'chat_template' field "
                 "and there is no chat_template.jinja; send a plain prompt instead"
             )
-        if not messages:
-            raise ValueError("cannot apply the chat template to an empty conversation")
-        for message in messages:
-            if not isinstance(message, dict):
-                raise TypeError(f"chat messages must be dicts, got {message!r}")
-        # transformers drops None-valued keys: templates handle a missing key but often print "None".
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        context = {**self.special_tokens, **template_kwargs}
-        try:
-            return _compile_template(self.chat_template).render(
-                messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **context
-            )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template rejected the conversation: {exc}") from exc
+        return self.chat.render(messages, add_generation_prompt, tools=tools, documents=documents, **template_kwargs)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
@@ -316,8 +300,8 @@ class Tokenizer:
         Templates usually write BOS themselves, so the text is encoded without
         special tokens and BOS is prepended only where the template left it out.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
-        ids = self.encode(text, add_special_tokens=False)
-        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids.insert(0, self.bos_token_id)
-        return ids
+        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Encode a rendered conversation (encode_chat's, or one cut to continue its last message)."""
+        return with_bos(self.encode(text, add_special_tokens=False), self.add_bos_token, self.bos_token_id)

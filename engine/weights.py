@@ -131,6 +131,7 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_buffers(device)
     if gguf is not None:
+        assert raw_config is not None, "a GGUF file's config comes from its metadata"
         assign_weights(model, gguf.hf_tensors(dtype, raw_config, progress, quantize), str(path))
     else:
         assign_weights(model, safetensors_tensors(path, progress), str(path))
@@ -194,10 +195,10 @@ def assign_weights(
             _load_quantized(layer, tensor, offset, size, hf_name, where)
             loaded.add(hf_name)
             continue
-        if isinstance(tensor, QuantizedWeight) and target in params:
-            tensor = tensor.dequantize(params[target].dtype)
         if target not in params or (expert is not None and expert >= config.num_experts):
             raise ModelLoadError(f"{where}: unexpected tensor {hf_name!r} for a {config.family} model")
+        if isinstance(tensor, QuantizedWeight):
+            tensor = tensor.dequantize(params[target].dtype)
         destination = params[target].data if expert is None else params[target].data[expert]
         if size is not None:
             destination = destination.narrow(0, offset, size)

@@ -1,6 +1,13 @@
 """Attention, KV-write, norm, RoPE and activation kernels over the paged layout.
 
-Every operation is one function here, dispatched per call:
+Every operation is a torch operator, genq::<name> (kernels/ops.py: its schema
+names what it writes in place, and a fake function gives its outputs' shape,
+dtype and device, so FakeTensorMode, torch.compile and CUDA graphs see it),
+and one typed function here calls it on the Triton path: CUDA tensors (real or
+fake) and GENQ_FORCE_TRITON=1. Real CPU tensors go to the torch reference
+directly: the operator dispatcher costs 10-20 us a call, which was a quarter of
+a batch-1 SmolLM2 decode step on the 2-core CPU (42.5 ms against 33.2 ms). On
+the operators, the implementation is picked per call (kernels/dispatch.py):
 
 - the Triton kernels (kernels/triton_kernels.py) when the tensors are on CUDA,
   or when the environment variable GENQ_FORCE_TRITON=1 (on CPU tensors that
@@ -8,9 +15,12 @@ Every operation is one function here, dispatched per call:
   not been imported yet, and it is an error if it was imported without it);
 - otherwise the torch reference (kernels/reference.py), the CPU path.
 
-triton is imported only when the Triton path is first taken, so this package
-imports (and the CPU path works) without triton installed; taking the Triton
-path without it fails loudly. This package imports nothing else of ours.
+The Triton kernel modules are imported only when the Triton path is first
+taken, so this package imports (and the CPU path works) without triton
+installed; taking the Triton path without it fails loudly. (torch itself
+imports triton, when installed, with torch._dynamo on the first operator
+call: custom_op wraps every implementation to keep dynamo out of it.) This
+package imports nothing else of ours.
 
 The KV cache may be stored quantized (fp8, q8, q4, or k8v4: q8 keys and q4
 values; kernels/kv_quant.py): kv_cache_format says what a cache dtype stores
@@ -20,17 +30,14 @@ write_kv / paged_attention then take the caches' scales too.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-from types import ModuleType
-
 import torch
 
-from kernels import reference
+from kernels import ops, reference
+from kernels.dispatch import FORCE_ENV, triton_enabled, triton_module
 from kernels.kv_quant import KV_CACHE_DTYPES, KVCacheFormat, KVFormat, kv_cache_format
 
 __all__ = [
+    "FORCE_ENV",
     "KV_CACHE_DTYPES",
     "KVCacheFormat",
     "KVFormat",
@@ -41,47 +48,9 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "triton_enabled",
+    "triton_module",
     "write_kv",
 ]
-
-FORCE_ENV = "GENQ_FORCE_TRITON"
-
-
-def _forced() -> bool:
-    return os.environ.get(FORCE_ENV, "") not in ("", "0")
-
-
-def triton_enabled(x: torch.Tensor) -> bool:
-    """Whether an operation on `x` takes the Triton path."""
-    return x.is_cuda or _forced()
-
-
-def triton_module(x: torch.Tensor, name: str) -> ModuleType:
-    """kernels.<name>, a module of Triton kernels, imported on first use: for CPU tensors in
-    Triton's interpreter (TRITON_INTERPRET=1 is set if triton is not imported yet; imported
-    without it is an error), so triton is never imported unless its path is taken."""
-    module = sys.modules.get(f"kernels.{name}")
-    if module is not None:
-        return module
-    if not x.is_cuda:
-        if sys.modules.get("triton") is None:  # not imported yet
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
-            raise RuntimeError(
-                f"{FORCE_ENV}=1 on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                "before anything imports triton"
-            )
-    try:
-        return importlib.import_module(f"kernels.{name}")
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            f"the Triton path was requested (CUDA tensors or {FORCE_ENV}=1) but kernels.{name} "
-            f"cannot be imported: {exc}"
-        ) from exc
-
-
-def _impl(x: torch.Tensor) -> ModuleType:
-    return triton_module(x, "triton_kernels") if triton_enabled(x) else reference
 
 
 def rms_norm(
@@ -91,19 +60,38 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return _impl(x).rms_norm(x, weight, eps, residual, unit_offset)
+    """RMSNorm (reference.rms_norm): (normed, None), or with `residual` (normed x + residual,
+    x + residual): genq::rms_norm or genq::add_rms_norm."""
+    if not triton_enabled(x):
+        return reference.rms_norm(x, weight, eps, residual, unit_offset)
+    if residual is None:
+        return ops.rms_norm(x, weight, eps, unit_offset), None
+    out, summed = ops.add_rms_norm(x, residual, weight, eps, unit_offset)
+    return out, summed
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    return _impl(q).apply_rope(q, k, cos, sin)
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (reference.apply_rope): genq::apply_rope."""
+    if not triton_enabled(q):
+        reference.apply_rope(q, k, cos, sin)
+        return
+    ops.apply_rope(q, k, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return _impl(gate_up).silu_and_mul(gate_up)
+    """SiLU(gate) * up of a fused [T, 2 * I] gate/up projection: genq::silu_and_mul."""
+    if not triton_enabled(gate_up):
+        return reference.silu_and_mul(gate_up)
+    out: torch.Tensor = ops.silu_and_mul(gate_up)
+    return out
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return _impl(gate_up).gelu_tanh_and_mul(gate_up)
+    """GELU(gate, tanh) * up of a fused [T, 2 * I] gate/up projection: genq::gelu_tanh_and_mul."""
+    if not triton_enabled(gate_up):
+        return reference.gelu_tanh_and_mul(gate_up)
+    out: torch.Tensor = ops.gelu_tanh_and_mul(gate_up)
+    return out
 
 
 def write_kv(
@@ -115,7 +103,12 @@ def write_kv(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> None:
-    return _impl(k).write_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    """Store K/V [T, Hkv, D] into their cache slots, quantizing for a quantized cache
+    (reference.write_kv): genq::write_kv, which writes the caches and scales in place."""
+    if not triton_enabled(k):
+        reference.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+        return
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
 
 def paged_attention(
@@ -131,12 +124,13 @@ def paged_attention(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _impl(q).paged_attention(
+    """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D]
+    (reference.paged_attention): genq::paged_attention."""
+    if not triton_enabled(q):
+        return reference.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale,
+                                         sliding_window, softcap, k_scales, v_scales)
+    out: torch.Tensor = ops.paged_attention(
         q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap, k_scales,
         v_scales,
     )
-
-
-for _name in ("rms_norm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "write_kv", "paged_attention"):
-    globals()[_name].__doc__ = getattr(reference, _name).__doc__
-del _name
+    return out

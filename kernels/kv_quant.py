@@ -44,7 +44,7 @@ real keys carry per-channel offsets, so a group's values are skewed, and
 the minimum puts all 16 levels where the values are.
 
 Measured on a real model (SmolLM2-135M, head_dim 64, 768 tokens of
-bench/data/prose.txt through engine.perplexity; full-precision cache:
+bench/data/prose.txt through genq_dev.perplexity; full-precision cache:
 perplexity 20.146), as perplexity / mean KL divergence of the next-token
 distribution from the full-precision cache's:
 

@@ -12,12 +12,15 @@ The "q * scale + offset" form (offset = the group's minimum) is the one
 llama.cpp's Q4_1 and Q4_K blocks use, so those map onto it bit for bit; fp32
 scales keep Q4_K's products of an fp16 scale and a 6-bit sub-scale exact.
 
-Dispatch, by the same rule as the other kernels (kernels/__init__.py): the
-Triton kernel (kernels/triton_quant_matmul.py) for CUDA tensors or when
-GENQ_FORCE_TRITON=1 (Triton's interpreter on CPU tensors); otherwise the
-torch reference below, which dequantizes the whole matrix to x's dtype and
-calls F.linear. The reference is also the oracle the Triton kernel and the
-engine's CPU fast paths are tested against.
+quant_matmul is the torch operator genq::quant_matmul (like every kernel,
+kernels/ops.py: a fake function gives its output from metadata, for
+FakeTensorMode, torch.compile and CUDA graphs), its implementation picked by
+the same rule as the other kernels (kernels/dispatch.py): the Triton kernel
+(kernels/triton_quant_matmul.py) for CUDA tensors or when GENQ_FORCE_TRITON=1
+(Triton's interpreter on CPU tensors); otherwise the torch reference below,
+which dequantizes the whole matrix to x's dtype and calls F.linear. The
+reference is also the oracle the Triton kernel and the engine's CPU fast
+paths are tested against.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import triton_enabled, triton_module
+from kernels.dispatch import check_devices, dispatched, triton_enabled
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -77,6 +80,53 @@ def quant_matmul_reference(
     return F.linear(x, dequantize_weight(qweight, scales, offsets, bits, group_size, x.dtype), bias)
 
 
+_quant_matmul_impl = dispatched(quant_matmul_reference, "triton_quant_matmul", "quant_matmul")
+
+
+def _check(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    bias: torch.Tensor | None,
+) -> None:
+    """What the real and the fake operator reject from metadata: tensors on two devices, and a
+    weight that is not 4- or 8-bit or whose K does not match x's."""
+    check_devices("quant_matmul", "x", x, qweight=qweight, scales=scales, offsets=offsets, bias=bias)
+    if bits not in (4, 8) or qweight.shape[1] * (2 if bits == 4 else 1) != x.shape[-1]:
+        raise ValueError(f"genq::quant_matmul: a {bits}-bit qweight {tuple(qweight.shape)} does not multiply x of "
+                         f"{x.shape[-1]} features (bits must be 4 or 8)")
+
+
+@torch.library.custom_op("genq::quant_matmul", mutates_args=())
+def _quant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    _check(x, qweight, scales, offsets, bits, bias)
+    return _quant_matmul_impl(x, qweight, scales, offsets, bits, group_size, bias)
+
+
+@_quant_matmul.register_fake
+def _quant_matmul_fake(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    _check(x, qweight, scales, offsets, bits, bias)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
 def quant_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -86,7 +136,9 @@ def quant_matmul(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, on the path the dispatch rule picks."""
-    if triton_enabled(x):
-        return triton_module(x, "triton_quant_matmul").quant_matmul(x, qweight, scales, offsets, bits, group_size, bias)
-    return quant_matmul_reference(x, qweight, scales, offsets, bits, group_size, bias)
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype: genq::quant_matmul on the Triton path,
+    the reference directly for real CPU tensors (kernels/__init__.py says why)."""
+    if not triton_enabled(x):
+        return quant_matmul_reference(x, qweight, scales, offsets, bits, group_size, bias)
+    out: torch.Tensor = torch.ops.genq.quant_matmul.default(x, qweight, scales, offsets, bits, group_size, bias)
+    return out

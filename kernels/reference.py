@@ -1,6 +1,7 @@
 """Torch reference implementations of every kernel, with the signatures the
 Triton kernels implement. They keep the paged KV layout, run on any device,
-and are the CPU path of the engine.
+and are the CPU path of the engine: what the genq:: operators
+(kernels/ops.py) run on CPU tensors.
 
 Paged layout: each layer's K (and V) cache is a tensor
 [num_kv_heads, num_pages, page_size, head_dim]; token slot s lives at
@@ -62,8 +63,9 @@ def rms_norm(
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout).
-    cos/sin are [T, R] (the half-frequency table repeated twice); R < D is
-    partial rotary: only the first R dims of each head rotate."""
+    cos/sin are [T, R] (the half-frequency table repeated twice; any scaling,
+    llama3 included, is already in the table); R < D is partial rotary: only
+    the first R dims of each head rotate."""
     cos = cos.unsqueeze(1).to(q.dtype)
     sin = sin.unsqueeze(1).to(q.dtype)
     rotary = cos.shape[-1]

@@ -3,8 +3,9 @@ same signatures and the same paged layout (see that module's docstring).
 
 Importing this module needs triton. On a machine without a GPU the kernels
 run in Triton's interpreter (TRITON_INTERPRET=1, which must be set before
-triton is imported); kernels/__init__.py arranges that when the Triton path is
-forced on CPU tensors.
+this module is imported: @triton.jit reads it); kernels/dispatch.py arranges
+that when the Triton path is forced on CPU tensors. The functions here are
+the Triton implementations of the genq:: operators (kernels/ops.py).
 
 Design (after vLLM's unified Triton attention and flash-decoding):
 
@@ -156,9 +157,6 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm over the last dim in fp32; with `residual`, first adds it to x
-    and also returns the sum (the next residual). unit_offset scales by
-    (1 + weight) in fp32 (Gemma). New tensors, like the reference."""
     n = x.shape[-1]
     x2 = _row_view(x, n)
     out_dtype = x.dtype if unit_offset else torch.result_type(weight, x)
@@ -203,12 +201,10 @@ def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, GELU_TANH:
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for the fused [..., 2 * I] gate/up projection."""
     return _act_and_mul(gate_up, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GELU(gate, tanh approximation) * up for the fused [..., 2 * I] gate/up projection (Gemma)."""
     return _act_and_mul(gate_up, gelu_tanh=True)
 
 
@@ -260,10 +256,6 @@ def _rope_kernel(
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (rotate-half layout).
-    cos/sin are [T, R] (the half-frequency table repeated twice; any scaling,
-    llama3 included, is already in the table); R < D is partial rotary: only
-    the first R dims of each head rotate."""
     tokens = q.shape[0]
     if tokens == 0:
         return
@@ -321,23 +313,36 @@ def write_kv(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's K/V [T, Hkv, D] into their cache slots; a quantized
-    cache (fp8 / q8 / q4, by its dtype; K and V may differ) also gets each
-    vector's scales."""
     tokens, num_kv_heads, head_dim = k.shape
     k_fmt, v_fmt = paged_formats(k_cache, v_cache, k_scales, v_scales, head_dim)
     if tokens == 0:
         return
-    if k_fmt.quantized or v_fmt.quantized:
-        _write_kv_quantized(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales, k_fmt, v_fmt)
-        return
+    # fp8 quantizes the rotated vectors (fp32, exactly as the reference rotates them)
+    k = rotate(k.float(), k_fmt) if k_fmt.rotated else k
+    v = rotate(v.float(), v_fmt) if v_fmt.rotated else v
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    _write_kv_kernel[(tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),
+    if not k_fmt.quantized and not v_fmt.quantized:
+        _write_kv_kernel[(tokens, num_kv_heads)](
+            k, v, k_cache, v_cache, slot_mapping.contiguous(),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), _slot_stride(k_cache), v_cache.stride(0), _slot_stride(v_cache),
+            head_dim, BLOCK_D=_block(head_dim),
+        )
+        return
+    ks, vs = _scale_strides(k_scales), _scale_strides(v_scales)
+    kf, vf = _format_constexprs(k_fmt), _format_constexprs(v_fmt)
+    _write_kv_quant_kernel[(tokens, num_kv_heads)](
+        k, v, _kernel_view(k_cache), _kernel_view(v_cache),
+        k_scales if k_scales is not None else k_cache, v_scales if v_scales is not None else v_cache,
+        slot_mapping.contiguous(),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), _slot_stride(k_cache), v_cache.stride(0), _slot_stride(v_cache),
-        head_dim, BLOCK_D=_block(head_dim),
+        ks[0], ks[2], vs[0], vs[2],
+        head_dim,
+        K_FORMAT=kf[0], K_GROUP=kf[1], K_BLOCK_G=kf[2], K_BLOCK_J=kf[3], K_QMAX=kf[4],
+        V_FORMAT=vf[0], V_GROUP=vf[1], V_BLOCK_G=vf[2], V_BLOCK_J=vf[3], V_QMAX=vf[4],
+        SCALE_LO=SCALE_MIN, SCALE_HI=SCALE_MAX,
     )
 
 
@@ -394,26 +399,13 @@ def _quantize_store(
     on a [groups, values] tile; q4 loads a group's even and odd elements as
     two tiles, which are the low and high nibbles of its bytes. A float cache
     (_FLOAT; BLOCK_J >= head_dim) gets the values cast to its dtype, no scales."""
-    if KV_FORMAT == _FLOAT:
-        j = tl.arange(0, BLOCK_J)
-        x = tl.load(x_row + j, mask=j < head_dim, other=0.0)
-        tl.store(data_row + j, _cast(x, data_row.dtype.element_ty), mask=j < head_dim)
-    else:
-        _quantize_groups_store(x_row, data_row, scale_row, head_dim, KV_FORMAT, GROUP, BLOCK_G, BLOCK_J, QMAX,
-                               SCALE_LO, SCALE_HI)
-
-
-@triton.jit
-def _quantize_groups_store(
-    x_row, data_row, scale_row, head_dim,
-    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
-    QMAX: tl.constexpr, SCALE_LO: tl.constexpr, SCALE_HI: tl.constexpr,
-):
-    """_quantize_store of a quantized format."""
     num_groups = head_dim // GROUP
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_J)
-    if KV_FORMAT == _Q4:
+    if KV_FORMAT == _FLOAT:
+        x = tl.load(x_row + j, mask=j < head_dim, other=0.0)
+        tl.store(data_row + j, _cast(x, data_row.dtype.element_ty), mask=j < head_dim)
+    elif KV_FORMAT == _Q4:
         # asymmetric: a minimum and a scale per group, levels 0..QMAX; even and odd elements are the
         # low and high nibbles of the group's bytes
         mask = (g[:, None] < num_groups) & (j[None, :] < GROUP // 2)
@@ -504,39 +496,6 @@ def _format_constexprs(fmt: KVFormat) -> tuple[int, int, int, int, float]:
     group = fmt.group_size
     block_j = _block(group // 2 if fmt.name == "q4" else group)
     return _FORMAT_IDS[fmt.name], group, _block(fmt.groups), block_j, fmt.qmax
-
-
-def _write_kv_quantized(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scales: torch.Tensor | None,
-    v_scales: torch.Tensor | None,
-    k_fmt: KVFormat,
-    v_fmt: KVFormat,
-) -> None:
-    tokens, num_kv_heads, head_dim = k.shape
-    # fp8 quantizes the rotated vectors (fp32, exactly as the reference rotates them)
-    k = rotate(k.float(), k_fmt) if k_fmt.rotated else k
-    v = rotate(v.float(), v_fmt) if v_fmt.rotated else v
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    ks, vs = _scale_strides(k_scales), _scale_strides(v_scales)
-    kf, vf = _format_constexprs(k_fmt), _format_constexprs(v_fmt)
-    _write_kv_quant_kernel[(tokens, num_kv_heads)](
-        k, v, _kernel_view(k_cache), _kernel_view(v_cache),
-        k_scales if k_scales is not None else k_cache, v_scales if v_scales is not None else v_cache,
-        slot_mapping.contiguous(),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), _slot_stride(k_cache), v_cache.stride(0), _slot_stride(v_cache),
-        ks[0], ks[2], vs[0], vs[2],
-        head_dim,
-        K_FORMAT=kf[0], K_GROUP=kf[1], K_BLOCK_G=kf[2], K_BLOCK_J=kf[3], K_QMAX=kf[4],
-        V_FORMAT=vf[0], V_GROUP=vf[1], V_BLOCK_G=vf[2], V_BLOCK_J=vf[3], V_QMAX=vf[4],
-        SCALE_LO=SCALE_MIN, SCALE_HI=SCALE_MAX,
-    )
 
 
 @triton.jit
@@ -756,7 +715,7 @@ def _num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return max(1, min(16, triton.cdiv(2 * sms, batch * num_kv_heads)))
 
 
-def _paged_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -773,8 +732,8 @@ def _paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """paged_attention with the tiling exposed (the tests force splits and
-    small blocks to reach every path)."""
+    """The tiling is the caller's to choose only so that the tests can force splits and small
+    blocks to reach every path."""
     k_fmt, v_fmt = paged_formats(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
     q = rotate(q, k_fmt)  # rotated keys (fp8): Hq.Hk = q.k; rotated values: the output is rotated back below
     tokens, num_heads, head_dim = q.shape
@@ -836,24 +795,3 @@ def _paged_attention(
             NUM_SPLITS=num_splits, BLOCK_S=_block(num_splits), BLOCK_D=block_d,
         )
     return rotate(out, v_fmt)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scales: torch.Tensor | None = None,
-    v_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D];
-    a quantized cache needs its scales."""
-    return _paged_attention(
-        q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap, k_scales,
-        v_scales,
-    )

@@ -17,30 +17,17 @@ gathered by its own group index, so any shape and any group size dividing K
 is correct, whatever the tile sizes.
 
 Importing this module needs triton; on CPU tensors it runs in Triton's
-interpreter (TRITON_INTERPRET=1 set before triton is imported), where two
-bf16 shortcomings are worked around as kernels/triton_kernels.py does.
+interpreter (TRITON_INTERPRET=1 set before this module is imported), where two
+bf16 shortcomings are worked around by kernels/triton_kernels.py's _cast and _dot.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_INTERPRETER_WORKAROUNDS = tl.constexpr(_INTERPRET)
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 x cast to dtype with round-to-nearest-even (the interpreter truncates to bf16)."""
-    if _INTERPRETER_WORKAROUNDS and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return x.to(dtype)
+from kernels.triton_kernels import _cast, _dot
 
 
 @triton.jit
@@ -76,17 +63,11 @@ def _quant_matmul_kernel(
         w = q.to(tl.float32) * tl.load(s_ptr + cols64[None, :] * stride_sn + group, mask=w_ok, other=0.0)
         if HAS_OFFSETS:
             w = w + tl.load(o_ptr + cols64[None, :] * stride_sn + group, mask=w_ok, other=0.0)
-        w = _round_to(w, x_ptr.dtype.element_ty)
-        if _INTERPRETER_WORKAROUNDS:
-            # the interpreter's tl.dot multiplies bf16 operands as raw integers; fp32 operands are exact
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+        w = _cast(w, x_ptr.dtype.element_ty)
+        acc += _dot(x, w, IEEE)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = _round_to(acc, out_ptr.dtype.element_ty)
+    out = _cast(acc, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -99,7 +80,6 @@ def quant_matmul(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype; fp32 accumulation."""
     k = x.shape[-1]
     n = qweight.shape[0]
     x2 = x.reshape(-1, k)

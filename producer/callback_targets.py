@@ -5,6 +5,8 @@ A `callback_url` is chosen by whoever sends the webhook, and the POST to it come
 deployment, next to Redis, cloud metadata endpoints and admin ports. So:
 
 - only `http` and `https`, always;
+- no control characters: URL parsers (pydantic's, urllib's) silently drop tabs, CRs and LFs, so
+  the URL called would not be the one sent;
 - by default, every address the host resolves to must be globally routable: loopback,
   link-local, private, shared (CGNAT), multicast, unspecified, reserved and documentation ranges
   are refused, including IPv4 addresses inside IPv6 (IPv4-mapped, 6to4, Teredo, NAT64). The
@@ -33,6 +35,7 @@ __all__ = [
     "RESOLVE_TIMEOUT_S",
     "CallbackTarget",
     "CallbackUrlRefused",
+    "check_characters",
     "refusal",
     "resolve_target",
     "resolve_target_async",
@@ -96,8 +99,18 @@ def refusal(address: Address) -> str | None:
     return None
 
 
+def check_characters(url: str) -> None:
+    """CallbackUrlRefused if the URL holds a control character (CR, LF, tab, ..., DEL), which a
+    parser would drop or encode rather than refuse."""
+    for position, char in enumerate(url):
+        if char < " " or char == "\x7f":
+            raise CallbackUrlRefused(f"the URL holds the control character {char!r} at position {position}; "
+                                     "a URL has none")
+
+
 def _parts(url: str) -> tuple[str, str, int | None]:
     """(scheme, host, explicit port) of a URL this module may judge; CallbackUrlRefused if none."""
+    check_characters(url)
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -165,16 +178,15 @@ def resolve_target(url: str, *, allow_private: bool) -> CallbackTarget:
     return _target(url, scheme, host, port, _addresses(infos), allow_private)
 
 
-async def resolve_target_async(url: str, *, allow_private: bool,
-                               timeout_s: float = RESOLVE_TIMEOUT_S) -> CallbackTarget:
-    """resolve_target for asyncio callers (the gateway), bounded by `timeout_s`."""
+async def resolve_target_async(url: str, *, allow_private: bool) -> CallbackTarget:
+    """resolve_target for asyncio callers (the gateway), bounded by RESOLVE_TIMEOUT_S."""
     scheme, host, port = _parts(url)
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
             infos = await loop.getaddrinfo(host, port or (443 if scheme == "https" else 80), type=socket.SOCK_STREAM)
     except TimeoutError:
-        raise CallbackUrlRefused(f"the host {host!r} did not resolve within {timeout_s:.0f} s",
+        raise CallbackUrlRefused(f"the host {host!r} did not resolve within {RESOLVE_TIMEOUT_S:.0f} s",
                                  retryable=True) from None
     except (OSError, UnicodeError) as error:
         raise _resolver_error(host, error) from None

@@ -59,17 +59,17 @@ class CallbackSettings(ClientSettings):
 
     model_config = SettingsConfigDict(env_prefix="GENQ_CALLBACK_", extra="ignore", populate_by_name=True)
 
-    webhook_secret: SecretStr | None = Field(None, validation_alias="GENQ_WEBHOOK_SECRET",
+    webhook_secret: SecretStr | None = Field(default=None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="signs every callback")
-    queue: str = Field(DEFAULT_CALLBACK_QUEUE, min_length=1, validation_alias="GENQ_CALLBACK_QUEUE",
+    queue: str = Field(default=DEFAULT_CALLBACK_QUEUE, min_length=1, validation_alias="GENQ_CALLBACK_QUEUE",
                        description="queue of genq.deliver_callback")
-    max_retries: int = Field(5, ge=0, description="retries after the first try")
-    backoff_s: int = Field(2, ge=1, description="first retry delay; doubled each retry (with full jitter)")
-    backoff_max_s: int = Field(300, ge=1, description="ceiling of the retry delay")
-    timeout_s: float = Field(10.0, gt=0, description="per-try HTTP timeout")
-    concurrency: int = Field(8, ge=1, description="callbacks in flight on one callback worker")
-    allow_private_hosts: bool = Field(False, description="also call back loopback, private, link-local, ... "
-                                                         "addresses (trusted deployments only)")
+    max_retries: int = Field(default=5, ge=0, description="retries after the first try")
+    backoff_s: int = Field(default=2, ge=1, description="first retry delay; doubled each retry (with full jitter)")
+    backoff_max_s: int = Field(default=300, ge=1, description="ceiling of the retry delay")
+    timeout_s: float = Field(default=10.0, gt=0, description="per-try HTTP timeout")
+    concurrency: int = Field(default=8, ge=1, description="callbacks in flight on one callback worker")
+    allow_private_hosts: bool = Field(default=False, description="also call back loopback, private, link-local, ... "
+                                                                 "addresses (trusted deployments only)")
 
 
 class CallbackRetryable(RuntimeError):
@@ -150,7 +150,8 @@ def post(target: CallbackTarget, body: bytes, headers: dict[str, str], timeout_s
 
 def _payload(app: Celery, outcome: dict[str, Any] | str, identifier: str, event: CallbackEvent) -> dict[str, Any]:
     if event == "generation.succeeded":
-        result = GenerationResult.from_dict(outcome)  # type: ignore[arg-type]
+        assert isinstance(outcome, dict), "a link receives the result dict on success"
+        result = GenerationResult.from_dict(outcome)
         return {"id": identifier, "event": event, "state": "SUCCESS", "result": result.to_dict(), "error": None}
     # An errback receives the failed task's id; its error is already in the result backend.
     failed = app.AsyncResult(str(outcome))

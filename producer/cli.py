@@ -1,17 +1,8 @@
 """`genq submit | stream | cancel | result`: the producer side of the command line.
 
-worker/cli.py defines the options and imports this module only when one of
-these commands runs, so they never load torch or the worker.
-
-Exit codes, for scripts (worker/cli.py's --help says the same):
-
-    0  done: a stop condition or max_new_tokens ended the generation
-    1  the generation failed (the worker's message is on stderr)
-    2  usage or validation error (the protocol's message is on stderr)
-    3  cancelled
-    4  timed out: the request's deadline passed, or no result within the wait
-    5  cannot reach Redis (or the broker)
-  130  interrupted (Ctrl-C); `genq submit` cancels its request first
+worker/cli.py defines the options and explains the exit codes (EXIT_* below) in each
+command's --help; it imports this module only when one of these commands runs, so they
+never load torch or the worker.
 """
 
 from __future__ import annotations
@@ -20,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +19,7 @@ from kombu.exceptions import OperationalError
 from kombu.utils.url import maybe_sanitize_url
 
 from producer.client import GenerationError, GenerationHandle, GenqClient, StreamRestarted, TextAssembler
-from producer.protocol import GenerationResult, ProtocolError, StreamEvent
+from producer.protocol import GenerationResult, ProtocolError, StreamEvent, grammar_syntax
 
 EXIT_DONE = 0
 EXIT_FAILED = 1
@@ -45,7 +35,9 @@ TIMEOUT_GRACE_S = 10.0
 """`submit --timeout S` makes S the request's deadline, and waits S plus this much for its end
 (a worker that stops at the deadline still has to report it)."""
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")
-REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority", "n", "max_skips")
+REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority", "n", "max_skips", "stop", "ignore_eos",
+                   "banned_strings", "token_healing", "identifier")
+"""Options named after their request field (dest), copied into the request when given."""
 
 
 class UsageError(Exception):
@@ -55,24 +47,9 @@ class UsageError(Exception):
 # --- Commands ----------------------------------------------------------------------
 
 
-def submit_command(args: argparse.Namespace) -> int:
-    return _run(args, _submit)
-
-
-def stream_command(args: argparse.Namespace) -> int:
-    return _run(args, _stream)
-
-
-def cancel_command(args: argparse.Namespace) -> int:
-    return _run(args, _cancel)
-
-
-def result_command(args: argparse.Namespace) -> int:
-    return _run(args, _result)
-
-
-def _run(args: argparse.Namespace, command: Callable[[GenqClient, argparse.Namespace], int]) -> int:
-    """Run a command with a client, turning the failures every command shares into exit codes."""
+def run(args: argparse.Namespace) -> int:
+    """Run `genq {args.command}` with a client, turning the failures every command shares into exit codes."""
+    command = {"submit": _submit, "stream": _stream, "cancel": _cancel, "result": _result}[args.command]
     url = args.redis_url
     try:
         with GenqClient(redis_url=url, queue=getattr(args, "queue", None)) as client:
@@ -165,16 +142,6 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sampling = _sampling_from_args(args)
     if sampling:
         request["sampling"] = sampling
-    if args.stop:
-        request["stop"] = args.stop
-    if args.ignore_eos:
-        request["ignore_eos"] = True
-    if args.ban:
-        request["banned_strings"] = args.ban
-    if args.token_healing:
-        request["token_healing"] = True
-    if args.id is not None:
-        request["identifier"] = args.id
     constraint = _constraint_from_args(args)
     if constraint is not None:
         request["constraint"] = constraint
@@ -214,7 +181,7 @@ def _constraint_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
         return {"type": "choice", "choices": args.choice}
     if args.grammar is not None:
         text = _read_text(args.grammar, "--grammar")
-        return {"type": "grammar", "syntax": "gbnf" if "::=" in text else "lark", "grammar": text}
+        return {"type": "grammar", "syntax": grammar_syntax(text), "grammar": text}
     return None
 
 

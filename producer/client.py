@@ -23,17 +23,19 @@ Only celery, redis-py and pydantic are imported: no torch, no worker code.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import redis
 import redis.asyncio
-from celery import Celery
+import redis.asyncio.sentinel
+from celery import Celery, states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from pydantic import ValidationError
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -44,14 +46,17 @@ from producer.control import request_cancel, request_cancel_async
 from producer.protocol import (
     STREAM_FIELD,
     TASK_NAME,
+    EventType,
     GenerationRequest,
     GenerationResult,
     ProtocolError,
     StreamEvent,
     channel_name,
     control_channel,
+    final_key,
     stream_key,
 )
+from producer.redis_connect import is_sentinel_url
 from producer.settings import ClientSettings, celery_base_config
 from producer.watchdog import Watchdog
 
@@ -63,6 +68,8 @@ __all__ = [
     "GenqClient",
     "RequestLike",
     "StreamRestarted",
+    "Subscriber",
+    "Subscription",
     "TextAssembler",
     "make_celery",
 ]
@@ -77,6 +84,9 @@ pub/sub (at-most-once) to learn that a request ended."""
 RECONNECT_WINDOW_S = 30.0
 """How long a reader keeps trying to resubscribe after losing its connection before it gives up."""
 CONNECT_TIMEOUT_S = 5.0
+REPLAY_PAGE = 256
+"""Replay stream entries read at a time: a reader holds at most this many parsed events however
+long the stream is (a late reader of an n = 16 request would otherwise hold 40,000 at once)."""
 PUBSUB_CLIENT_NAME = "genq-producer-pubsub"
 """CLIENT SETNAME of the connections that follow streams, to tell them apart in CLIENT LIST."""
 _RESERVED_OPTIONS = frozenset({"args", "kwargs", "queue", "task_id", "priority", "producer"})
@@ -134,11 +144,48 @@ def _redis_options() -> dict[str, Any]:
     return {"decode_responses": True, "socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_keepalive": True}
 
 
-def _pubsub_options(retry: Retry | AsyncRetry) -> dict[str, Any]:
+def pubsub_options(retry: Retry | AsyncRetry) -> dict[str, Any]:
     """redis-py would silently reconnect and resubscribe a pub/sub connection, losing whatever was
     published meanwhile without telling anyone. With retries off the error reaches the reader,
     which resubscribes AND re-reads the replay stream."""
     return {**_redis_options(), "retry": retry, "client_name": PUBSUB_CLIENT_NAME}
+
+
+class _BlockingSentinelPool(redis.asyncio.sentinel.SentinelConnectionPool, redis.asyncio.BlockingConnectionPool):
+    """The Sentinel master's pool, waiting for a free connection as BlockingConnectionPool does."""
+
+
+def bounded_redis_async(settings: ClientSettings, url: str, max_connections: int, timeout_s: float,
+                        **options: Any) -> redis.asyncio.Redis:
+    """An asyncio client (as ClientSettings.redis_async makes) whose pool holds at most
+    `max_connections`: a command waits up to `timeout_s` for a free one (then ConnectionError)
+    instead of failing at once with MaxConnectionsError, as redis-py's default pool does."""
+    if is_sentinel_url(url):
+        return settings.redis_async(url, connection_pool_class=_BlockingSentinelPool,
+                                    max_connections=max_connections, timeout=timeout_s, **options)
+    pool = settings.redis_async(url, **options).connection_pool  # the URL's and genq's connection options
+    return redis.asyncio.Redis.from_pool(redis.asyncio.BlockingConnectionPool(
+        max_connections=max_connections, timeout=timeout_s, connection_class=pool.connection_class,
+        **pool.connection_kwargs))
+
+
+class Subscription(Protocol):
+    """A live channel subscription as an async handle reads it (redis-py's PubSub is one). A lost
+    connection raises redis.ConnectionError or redis.TimeoutError from get_message: the handle
+    then subscribes again and re-reads the replay stream."""
+
+    async def get_message(self, *, timeout: float | None) -> Mapping[str, Any] | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Subscriber(Protocol):
+    """Where an AsyncGenqClient's handles get their subscriptions: by default a pub/sub connection
+    per reader; the gateway multiplexes every reader over a few (producer.gateway.subscriptions)."""
+
+    async def subscribe(self, channel: str) -> Subscription:
+        """Subscribed, and confirmed by Redis: nothing published from now on is missed."""
+        ...
 
 
 # --- Requests --------------------------------------------------------------------
@@ -201,6 +248,17 @@ def _send_many(app: Celery, settings: ClientSettings, prepared: list[_Prepared],
             _send(app, settings.queue_for(item.kwargs), item, producer, watchdog)
 
 
+class _Client:
+    """What both clients set up alike: settings, queue, key prefix, Celery app and watchdog."""
+
+    def __init__(self, **overrides: str | None) -> None:
+        self.settings = _settings(**overrides)
+        self.queue = self.settings.queue
+        self.key_prefix = self.settings.key_prefix
+        self.celery = make_celery(self.settings)
+        self.watchdog = _make_watchdog(self.settings, self.celery)
+
+
 def _make_watchdog(settings: ClientSettings, app: Celery) -> Watchdog | None:
     """The resend loop of GENQ_WATCHDOG_AFTER_S (producer/watchdog.py), on its own sync connection."""
     if settings.watchdog_after_s is None:
@@ -221,10 +279,29 @@ def _failure_message(error: object) -> str:
 
 def _outcome(identifier: str, state: str, value: object) -> GenerationResult:
     if state == "SUCCESS":
-        return GenerationResult.from_dict(value)  # type: ignore[arg-type]
+        assert isinstance(value, Mapping), "a genq.generate task returns its result as a dict"
+        return GenerationResult.from_dict(value)
     if state == "FAILURE":
         raise GenerationError(_failure_message(value), identifier)
     raise GenerationError(f"the task ended in state {state}", identifier)
+
+
+@dataclass(frozen=True)
+class TaskSnapshot:
+    state: str
+    result: GenerationResult | None = None
+    error: str | None = None
+
+
+def _snapshot(app: Celery, identifier: str) -> TaskSnapshot:
+    meta = app.backend.get_task_meta(identifier)
+    state = meta["status"]
+    if state not in states.READY_STATES:
+        return TaskSnapshot(state)
+    try:
+        return TaskSnapshot(state, result=_outcome(identifier, state, meta["result"]))
+    except GenerationError as error:
+        return TaskSnapshot(state, error=error.message)
 
 
 def _fetch_outcome(app: Celery, identifier: str, timeout: float | None) -> GenerationResult:
@@ -257,7 +334,7 @@ def _final_event_from_backend(app: Celery, identifier: str) -> StreamEvent | Non
     except GenerationError as error:
         return StreamEvent(id=identifier, seq=0, attempt=1, event="error", finish_reason="error",
                            error=error.message)
-    kind = "cancelled" if result.finish_reason == "cancelled" else "done"
+    kind: EventType = "cancelled" if result.finish_reason == "cancelled" else "done"
     return StreamEvent(id=identifier, seq=0, attempt=result.attempt, event=kind, text=result.text,
                        finish_reason=result.finish_reason, usage=result.usage, timings=result.timings)
 
@@ -278,7 +355,16 @@ def _replay_start(last_entry_id: str | None) -> str:
     return "-" if last_entry_id is None else f"({last_entry_id}"
 
 
-def _from_entries(entries: list[tuple[str, Mapping[str, str]]]) -> list[StreamEvent]:
+StreamEntries = list[tuple[str, Mapping[str, str]]]
+
+
+def _entries(reply: object) -> StreamEntries:
+    """XRANGE's reply: (entry id, fields) pairs of strings, the handles' clients decoding
+    responses (redis-py types replies for either setting of decode_responses)."""
+    return cast(StreamEntries, reply)
+
+
+def _from_entries(entries: StreamEntries) -> list[StreamEvent]:
     events = (_decode(fields.get(STREAM_FIELD, ""), "replay stream") for _, fields in entries)
     return [event for event in events if event is not None]
 
@@ -319,13 +405,26 @@ class _Follower:
             self.finished = True
         return fresh
 
-    def replayed(self, events: list[StreamEvent], last_entry_id: str | None) -> list[StreamEvent]:
+    def replayed(self, events: list[StreamEvent], last_entry_id: str | None, newest_attempt: int = 0
+                 ) -> list[StreamEvent]:
         """The new events among replayed ones. A final event followed by a newer attempt in the same
-        read does not end the request (an identifier reused, or a requeue racing the reader)."""
+        read (or in the stream, `newest_attempt`, when it is read page by page) does not end the
+        request (an identifier reused, or a requeue racing the reader)."""
         if last_entry_id is not None:
             self.last_entry_id = last_entry_id
-        newest = max((event.attempt for event in events), default=0)
-        return [event for event in events if self.take(event, newest)]
+        newest = max((event.attempt for event in events), default=newest_attempt)
+        return [event for event in events if self.take(event, max(newest, newest_attempt))]
+
+
+def _replay_page(follower: _Follower, entries: StreamEntries, newest: StreamEntries | None) -> list[StreamEvent]:
+    """The new events of one page of the replay stream; `newest`: the stream's last entry, read
+    when the page is not the last one."""
+    newest_attempt = max((event.attempt for event in _from_entries(newest or [])), default=0)
+    return follower.replayed(_from_entries(entries), entries[-1][0] if entries else None, newest_attempt)
+
+
+def _more_pages(follower: _Follower, entries: StreamEntries) -> bool:
+    return len(entries) == REPLAY_PAGE and not follower.finished
 
 
 def _live_event(message: Mapping[str, Any] | None) -> StreamEvent | None:
@@ -350,10 +449,14 @@ class TextAssembler:
     When a task is redelivered its new attempt generates from the start. For a greedy or seeded
     request the new attempt regenerates the same text: the part already shown is checked and
     withheld, and the stream continues where it was. If the new attempt differs, feed() raises
-    StreamRestarted; reset() then makes the new attempt's text so far the shown text."""
+    StreamRestarted; reset() then makes the new attempt's text so far the shown text.
 
-    def __init__(self, identifier: str) -> None:
+    With n > 1 an assembler follows one sample, `index`: its chunks, and its choice in the final
+    event (the other samples' chunks add nothing)."""
+
+    def __init__(self, identifier: str, index: int = 0) -> None:
         self.identifier = identifier
+        self.index = index
         self._shown: list[str] = []
         self._shown_len = 0
         self._attempt = 0
@@ -367,11 +470,11 @@ class TextAssembler:
         if event.attempt != self._attempt:
             self._attempt, self._attempt_parts, self._attempt_len = event.attempt, [], 0
         if event.event == "chunk":
-            if event.index:  # a request with n > 1: the text shown is sample 0's, as the final event's text
+            if (event.index or 0) != self.index:
                 return ""
             new = event.text
         elif event.is_terminal:
-            new = event.text[self._attempt_len:]  # the whole text: what no chunk carried (stream disabled)
+            new = self._whole_text(event)[self._attempt_len:]  # what no chunk carried (stream disabled)
         else:
             return ""
         start = self._attempt_len
@@ -386,6 +489,14 @@ class TextAssembler:
             self._shown.append(new)
             self._shown_len += len(new)
         return new
+
+    def _whole_text(self, final: StreamEvent) -> str:
+        """The sample's whole text in a final event: its choice's, or (n = 1, or a request cancelled
+        before it started) the event's own text for sample 0."""
+        for choice in final.choices or ():
+            if choice.index == self.index:
+                return choice.text
+        return final.text if self.index == 0 else ""
 
     def reset(self) -> str:
         """After StreamRestarted: the current attempt's text so far, now counted as shown."""
@@ -447,27 +558,33 @@ class GenerationHandle:
         finally:
             pubsub.close()
 
-    def _next_events(self, follower: _Follower, message: Mapping[str, Any] | None) -> list[StreamEvent]:
+    def _next_events(self, follower: _Follower, message: Mapping[str, Any] | None) -> Iterator[StreamEvent]:
         """What a live message (or its absence: silence, a reconnect) adds, in order."""
         event = _live_event(message)
         if event is None or follower.skips_ahead(event):
-            fresh = self._replay(follower)
-            return fresh + [event] if event is not None and follower.take(event) else fresh
-        return [event] if follower.take(event) else []
+            yield from self._replay(follower)
+        if event is not None and follower.take(event):
+            yield event
 
-    def _replay(self, follower: _Follower, check_backend: bool = False) -> list[StreamEvent]:
-        """The new events in the replay stream; check_backend: if it is empty, ask the result backend
-        whether the request finished long ago (its stream expired)."""
+    def _replay(self, follower: _Follower, check_backend: bool = False) -> Iterator[StreamEvent]:
+        """The new events in the replay stream, a page at a time; check_backend: if it is empty, ask
+        the result backend whether the request finished long ago (its stream expired)."""
         key = stream_key(self.id, self._client.key_prefix)
-        entries = self._client.redis.xrange(key, min=_replay_start(follower.last_entry_id))
+        redis_ = self._client.redis
+        entries = _entries(redis_.xrange(key, min=_replay_start(follower.last_entry_id), count=REPLAY_PAGE))
         if check_backend and not entries:
             final = _final_event_from_backend(self._client.celery, self.id)
             if final is not None:
                 # The worker writes the stream before the result: re-read, in case it just finished.
-                entries = self._client.redis.xrange(key)
+                entries = _entries(redis_.xrange(key, count=REPLAY_PAGE))
                 if not entries:
-                    return follower.replayed([final], None)
-        return follower.replayed(_from_entries(entries), entries[-1][0] if entries else None)
+                    yield from follower.replayed([final], None)
+                    return
+        newest = _entries(redis_.xrevrange(key, count=1)) if len(entries) == REPLAY_PAGE else None
+        yield from _replay_page(follower, entries, newest)
+        while _more_pages(follower, entries):
+            entries = _entries(redis_.xrange(key, min=_replay_start(follower.last_entry_id), count=REPLAY_PAGE))
+            yield from _replay_page(follower, entries, newest)
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
         """The generated text, piece by piece as it arrives; concatenated, the final text.
@@ -514,7 +631,7 @@ class GenerationHandle:
         return f"GenerationHandle({self.id!r})"
 
 
-class GenqClient:
+class GenqClient(_Client):
     """Sends `genq.generate` tasks and follows them. Thread-safe: share one per process.
 
     Arguments left out come from GENQ_REDIS_URL, GENQ_BROKER_URL, GENQ_RESULT_BACKEND,
@@ -525,14 +642,10 @@ class GenqClient:
     def __init__(self, redis_url: str | None = None, *, broker_url: str | None = None,
                  result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None,
                  sentinel_master: str | None = None) -> None:
-        self.settings = _settings(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend,
-                                  queue=queue, key_prefix=key_prefix, sentinel_master=sentinel_master)
-        self.queue = self.settings.queue
-        self.key_prefix = self.settings.key_prefix
-        self.celery = make_celery(self.settings)
-        self.watchdog = _make_watchdog(self.settings, self.celery)
+        super().__init__(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend, queue=queue,
+                         key_prefix=key_prefix, sentinel_master=sentinel_master)
         self.redis = self.settings.redis(**_redis_options())
-        self._pubsub_redis = self.settings.redis(**_pubsub_options(Retry(NoBackoff(), 0)))
+        self._pubsub_redis = self.settings.redis(**pubsub_options(Retry(NoBackoff(), 0)))
 
     def submit(self, request: RequestLike, *, identifier: str | None = None, **options: Any) -> GenerationHandle:
         """Validate (ProtocolError if invalid), subscribe to the request's channel, send the task.
@@ -617,58 +730,70 @@ class AsyncGenerationHandle:
     Pub/sub and streams go through redis.asyncio; only Celery's blocking calls run in a thread."""
 
     def __init__(self, client: AsyncGenqClient, identifier: str,
-                 pubsub: redis.asyncio.client.PubSub | None = None, *, submitted: bool = False) -> None:
+                 subscription: Subscription | None = None, *, submitted: bool = False) -> None:
         self.id = identifier
         self._client = client
-        self._pubsub = pubsub
+        self._subscription = subscription
         self._fresh = submitted  # just sent: its stream cannot have expired yet
         self._finished = False
 
     async def events(self, timeout: float | None = None, after: EventKey | None = None
-                     ) -> AsyncIterator[StreamEvent]:
+                     ) -> AsyncGenerator[StreamEvent, None]:
         """See GenerationHandle.events."""
         follower = _Follower(after)
-        pubsub, self._pubsub = self._pubsub, None
+        subscription, self._subscription = self._subscription, None
         check_backend, self._fresh = not self._fresh, False
-        if pubsub is None:
-            pubsub = await self._client._subscribe(self.id)
+        if subscription is None:
+            subscription = await self._client._subscribe(self.id)
         try:
-            for event in await self._replay(follower, check_backend):
+            async for event in self._replay(follower, check_backend):
                 yield event
             idle_since = time.monotonic()
             while not follower.finished:
                 try:
-                    message = await pubsub.get_message(timeout=_wait_for(idle_since, timeout, self.id))
+                    message = await subscription.get_message(timeout=_wait_for(idle_since, timeout, self.id))
                 except (redis.ConnectionError, redis.TimeoutError):
                     log.info("request %s: lost the channel connection, resubscribing", self.id)
-                    await pubsub.aclose()
-                    pubsub = await self._client._resubscribe(self.id)
+                    await subscription.aclose()
+                    subscription = await self._client._resubscribe(self.id)
                     message = None
-                for event in await self._next_events(follower, message):
+                async for event in self._next_events(follower, message):
                     yield event
                     idle_since = time.monotonic()
             self._finished = True
         finally:
-            await pubsub.aclose()
+            await subscription.aclose()
 
-    async def _next_events(self, follower: _Follower, message: Mapping[str, Any] | None) -> list[StreamEvent]:
+    async def _next_events(self, follower: _Follower, message: Mapping[str, Any] | None
+                           ) -> AsyncIterator[StreamEvent]:
         event = _live_event(message)
         if event is None or follower.skips_ahead(event):
-            fresh = await self._replay(follower)
-            return fresh + [event] if event is not None and follower.take(event) else fresh
-        return [event] if follower.take(event) else []
+            async for fresh in self._replay(follower):
+                yield fresh
+        if event is not None and follower.take(event):
+            yield event
 
-    async def _replay(self, follower: _Follower, check_backend: bool = False) -> list[StreamEvent]:
+    async def _replay(self, follower: _Follower, check_backend: bool = False) -> AsyncIterator[StreamEvent]:
         """See GenerationHandle._replay."""
         key = stream_key(self.id, self._client.key_prefix)
-        entries = await self._client.redis.xrange(key, min=_replay_start(follower.last_entry_id))
+        redis_ = self._client.redis
+        entries = _entries(await redis_.xrange(key, min=_replay_start(follower.last_entry_id), count=REPLAY_PAGE))
         if check_backend and not entries:
             final = await asyncio.to_thread(_final_event_from_backend, self._client.celery, self.id)
             if final is not None:
-                entries = await self._client.redis.xrange(key)
+                entries = _entries(await redis_.xrange(key, count=REPLAY_PAGE))
                 if not entries:
-                    return follower.replayed([final], None)
-        return follower.replayed(_from_entries(entries), entries[-1][0] if entries else None)
+                    for event in follower.replayed([final], None):
+                        yield event
+                    return
+        newest = _entries(await redis_.xrevrange(key, count=1)) if len(entries) == REPLAY_PAGE else None
+        for event in _replay_page(follower, entries, newest):
+            yield event
+        while _more_pages(follower, entries):
+            entries = _entries(await redis_.xrange(key, min=_replay_start(follower.last_entry_id),
+                                                   count=REPLAY_PAGE))
+            for event in _replay_page(follower, entries, newest):
+                yield event
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         """See GenerationHandle.stream."""
@@ -708,10 +833,23 @@ class AsyncGenerationHandle:
         """The Celery task state (see GenerationHandle.state)."""
         return await asyncio.to_thread(lambda: self._client.celery.AsyncResult(self.id).state)
 
+    async def snapshot(self) -> TaskSnapshot:
+        """The task state with its result or error, from one read of the result backend, so that
+        the two always agree (a state read after a separate result read can be newer). Between the
+        final event and Celery storing the result, the worker's final record answers: a read
+        right after the stream's last event already sees SUCCESS and the result."""
+        snapshot = await asyncio.to_thread(_snapshot, self._client.celery, self.id)
+        if snapshot.state in states.READY_STATES:
+            return snapshot
+        final = await self._client.redis.get(final_key(self.id, self._client.key_prefix))
+        if final is None:
+            return snapshot
+        return TaskSnapshot(states.SUCCESS, result=GenerationResult.from_dict(json.loads(final)))
+
     async def close(self) -> None:
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
-            await pubsub.aclose()
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            await subscription.aclose()
 
     async def __aenter__(self) -> AsyncGenerationHandle:
         return self
@@ -723,34 +861,66 @@ class AsyncGenerationHandle:
         return f"AsyncGenerationHandle({self.id!r})"
 
 
-class AsyncGenqClient:
+class _PubSubPerReader:
+    """The default Subscriber: each subscription is a pub/sub connection of its own."""
+
+    def __init__(self, pubsub_redis: redis.asyncio.Redis) -> None:
+        self.redis = pubsub_redis
+
+    async def subscribe(self, channel: str) -> Subscription:
+        """See GenqClient._subscribe."""
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.subscribe(channel)
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                while (message := await pubsub.get_message(timeout=CONNECT_TIMEOUT_S)) is None:
+                    pass
+            if message["type"] != "subscribe":
+                raise redis.ResponseError(f"unexpected reply to SUBSCRIBE {channel}: {message!r}")
+        except TimeoutError:
+            await pubsub.aclose()
+            raise redis.TimeoutError(f"no SUBSCRIBE confirmation for {channel} in {CONNECT_TIMEOUT_S} s") from None
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
+
+
+class AsyncGenqClient(_Client):
     """GenqClient for asyncio (the gateway): the same methods, awaited; handle() needs no I/O.
-    Celery's send_task runs in a thread (asyncio.to_thread); everything else is redis.asyncio."""
+    Celery's send_task runs in a thread (asyncio.to_thread); everything else is redis.asyncio.
+
+    `subscriber` replaces the pub/sub connection per reader (the gateway multiplexes its readers);
+    `max_connections` bounds the command connection pool, a command waiting up to
+    `pool_timeout_s` for a free connection (bounded_redis_async)."""
 
     def __init__(self, redis_url: str | None = None, *, broker_url: str | None = None,
                  result_backend: str | None = None, queue: str | None = None, key_prefix: str | None = None,
-                 sentinel_master: str | None = None) -> None:
-        self.settings = _settings(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend,
-                                  queue=queue, key_prefix=key_prefix, sentinel_master=sentinel_master)
-        self.queue = self.settings.queue
-        self.key_prefix = self.settings.key_prefix
-        self.celery = make_celery(self.settings)
-        self.watchdog = _make_watchdog(self.settings, self.celery)
-        self.redis = self.settings.redis_async(**_redis_options())
-        self._pubsub_redis = self.settings.redis_async(**_pubsub_options(AsyncRetry(NoBackoff(), 0)))
+                 sentinel_master: str | None = None, subscriber: Subscriber | None = None,
+                 max_connections: int | None = None, pool_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        super().__init__(redis_url=redis_url, broker_url=broker_url, result_backend=result_backend, queue=queue,
+                         key_prefix=key_prefix, sentinel_master=sentinel_master)
+        self.redis = (self.settings.redis_async(**_redis_options()) if max_connections is None else
+                      bounded_redis_async(self.settings, self.settings.redis_url, max_connections, pool_timeout_s,
+                                          **_redis_options()))
+        self._own_subscriber: _PubSubPerReader | None = None
+        if subscriber is None:
+            subscriber = self._own_subscriber = _PubSubPerReader(
+                self.settings.redis_async(**pubsub_options(AsyncRetry(NoBackoff(), 0))))
+        self._subscriber = subscriber
 
     async def submit(self, request: RequestLike, *, identifier: str | None = None,
                      **options: Any) -> AsyncGenerationHandle:
         """See GenqClient.submit."""
         prepared = _prepare(request, identifier, options)
-        pubsub = await self._subscribe(prepared.identifier)
+        subscription = await self._subscribe(prepared.identifier)
         try:
             await asyncio.to_thread(_send, self.celery, self.settings.queue_for(prepared.kwargs), prepared, None,
                                     self.watchdog)
         except BaseException:
-            await pubsub.aclose()
+            await subscription.aclose()
             raise
-        return AsyncGenerationHandle(self, prepared.identifier, pubsub, submitted=True)
+        return AsyncGenerationHandle(self, prepared.identifier, subscription, submitted=True)
 
     async def submit_many(self, requests: Iterable[RequestLike]) -> list[AsyncGenerationHandle]:
         """See GenqClient.submit_many."""
@@ -770,7 +940,8 @@ class AsyncGenqClient:
     async def close(self) -> None:
         if self.watchdog is not None:
             await asyncio.to_thread(self.watchdog.stop)
-        await self._pubsub_redis.aclose()
+        if self._own_subscriber is not None:
+            await self._own_subscriber.redis.aclose()
         await self.redis.aclose()
         await asyncio.to_thread(self.celery.close)
 
@@ -780,26 +951,11 @@ class AsyncGenqClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _subscribe(self, identifier: str) -> redis.asyncio.client.PubSub:
+    async def _subscribe(self, identifier: str) -> Subscription:
         """See GenqClient._subscribe."""
-        channel = channel_name(identifier, self.key_prefix)
-        pubsub = self._pubsub_redis.pubsub()
-        try:
-            await pubsub.subscribe(channel)
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                while (message := await pubsub.get_message(timeout=CONNECT_TIMEOUT_S)) is None:
-                    pass
-            if message["type"] != "subscribe":
-                raise redis.ResponseError(f"unexpected reply to SUBSCRIBE {channel}: {message!r}")
-        except TimeoutError:
-            await pubsub.aclose()
-            raise redis.TimeoutError(f"no SUBSCRIBE confirmation for {channel} in {CONNECT_TIMEOUT_S} s") from None
-        except BaseException:
-            await pubsub.aclose()
-            raise
-        return pubsub
+        return await self._subscriber.subscribe(channel_name(identifier, self.key_prefix))
 
-    async def _resubscribe(self, identifier: str) -> redis.asyncio.client.PubSub:
+    async def _resubscribe(self, identifier: str) -> Subscription:
         """See GenqClient._resubscribe."""
         give_up = time.monotonic() + RECONNECT_WINDOW_S
         delay = 0.05

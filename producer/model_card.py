@@ -1,5 +1,5 @@
 """The model card: what a worker tells producers about the model it serves, so they can refuse a
-request the worker would refuse before it is queued.
+request the worker would refuse before it is queued, and read its tool calls as it writes them.
 
 A worker that answers a streamed OpenAI request only after the gateway has sent HTTP 200 can
 report a prompt longer than the context, or a token id outside the vocabulary, only as an error
@@ -16,20 +16,29 @@ the model; docs/protocol.md, section 4):
   live worker allows: a request some worker can take is valid.
 - `{prefix}:tokenizer:{digest}`: the tokenizer as `tokenizers` JSON (Tokenizer.to_str()), named
   by its SHA-256, so workers of one model share one copy and readers fetch it once per digest.
+- `{prefix}:chat_template:{digest}`: the model's chat templates and the special tokens they see
+  (chat_template.ChatTemplate as JSON), named so too; only for a model with a chat template. With
+  it and the tokenizer the gateway renders and encodes a chat as the worker does (POST /tokenize).
 
-Each worker rewrites its entry with a fresh `heartbeat_at` every 5 s and refreshes both
-keys' expiry (CARD_TTL_S); readers ignore entries older than CARD_TTL_S, so a worker that died
-stops counting within that time, and a deployment that is gone leaves nothing behind.
+Each worker rewrites its entry with a fresh `heartbeat_at` every 5 s and refreshes the keys'
+expiry (CARD_TTL_S); readers ignore entries older than CARD_TTL_S, so a worker that died stops
+counting within that time, and a deployment that is gone leaves nothing behind.
+
+CARD_VERSION changes only when a reader of the previous version would misread a card. A new
+field with a default that means "not said" (bos_token_id, chat_template_digest: null from older
+workers) keeps the version: older readers ignore it, newer ones treat null as not published.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from producer.protocol import IDENTIFIER_PATTERN
+from chat_template import ChatTemplate
+from producer.protocol import IDENTIFIER_RE
+from producer.reasoning import ReasoningFormat
+from producer.tool_calls import ToolFormat
 
 CARD_VERSION = 1
 CARD_TTL_S = 60
@@ -37,15 +46,13 @@ CARD_TTL_S = 60
 Generous against clock skew between worker and gateway hosts: a skew beyond it makes entries
 look stale, and the gateway then skips its checks (the worker still makes them)."""
 
-_NAME_RE = re.compile(IDENTIFIER_PATTERN)
-
 
 class WorkerCard(BaseModel):
     """One worker's entry in `{prefix}:card:{queue}`."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    version: int = Field(CARD_VERSION, description="the card format; readers skip versions they do not know")
+    version: int = Field(default=CARD_VERSION, description="the card format; readers skip versions they do not know")
     model: str = Field(description="the model the worker loaded, as configured (GENQ_MODEL)")
     vocab_size: Annotated[int, Field(ge=1)] = Field(description="token ids the worker accepts: [0, vocab_size)")
     max_seq_len: Annotated[int, Field(ge=1)] = Field(
@@ -55,14 +62,24 @@ class WorkerCard(BaseModel):
         description="tokens the worker's encode adds to (1) or removes from (-1) what the tokenizer JSON's own "
                     "encode(text, add_special_tokens=True) gives, to apply its add_bos setting")
     chat_template: bool = Field(description="whether the model has a chat template (`messages` are accepted)")
+    tool_format: ToolFormat | None = Field(default=None, description="the format the model writes tool calls in "
+                                                                    "(docs/tools.md); null from older workers")
+    reasoning_format: ReasoningFormat | None = Field(default=None, description="how the model writes its thought "
+                                                    "(producer/reasoning.py); null from older workers")
     tokenizer_digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the tokenizer JSON")
+    bos_token_id: int | None = Field(default=None, description="the BOS token's id, which the worker's encode "
+                                                               "prepends (bos_correction 1, or a chat whose template "
+                                                               "left it out); null without one or from older workers")
+    chat_template_digest: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 of the chat template JSON; null without a chat template or from older workers")
     heartbeat_at: float = Field(description="unix time of the worker's last refresh")
 
 
 def card_key(queue: str, prefix: str) -> str | None:
     """The hash of the cards of the workers serving `queue`; None when the queue or prefix cannot
     name a Redis key (they must follow the identifier rule): then no card is published or read."""
-    if not (_NAME_RE.fullmatch(queue) and _NAME_RE.fullmatch(prefix)):
+    if not (IDENTIFIER_RE.fullmatch(queue) and IDENTIFIER_RE.fullmatch(prefix)):
         return None
     return f"{prefix}:card:{queue}"
 
@@ -71,3 +88,12 @@ def tokenizer_key(digest: str, prefix: str) -> str:
     """The tokenizer JSON whose SHA-256 is `digest` (a card's tokenizer_digest; used only where
     card_key accepted the prefix)."""
     return f"{prefix}:tokenizer:{digest}"
+
+
+def chat_template_key(digest: str, prefix: str) -> str:
+    """The chat template JSON whose SHA-256 is `digest` (a card's chat_template_digest)."""
+    return f"{prefix}:chat_template:{digest}"
+
+
+CHAT_TEMPLATE_JSON: TypeAdapter[ChatTemplate] = TypeAdapter(ChatTemplate)
+"""The chat template key's value: ChatTemplate's fields as a JSON object."""

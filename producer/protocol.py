@@ -1,9 +1,10 @@
 """The genq wire protocol: what goes into a `genq.generate` task and what comes out.
 
 This module is the contract between producers (any Celery client, in any
-language) and the GPU worker. It imports only the standard library and
-pydantic, so a backend service can validate requests without torch; the
-human-readable version of the contract is docs/protocol.md.
+language) and the GPU worker. It imports only the standard library, pydantic
+and producer/tool_calls.py (itself standard library only), so a backend service
+can validate requests without torch; the human-readable version of the
+contract is docs/protocol.md.
 
 - A request is sent as the keyword arguments of the Celery task TASK_NAME:
   ``send_task("genq.generate", kwargs=request.to_kwargs(), task_id=identifier)``.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -36,6 +37,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from producer.reasoning import ReasoningFormat
+from producer.tool_calls import NAME_PATTERN, ToolFormat
+
 __all__ = [
     "CANCEL_KEY_TTL_S",
     "CANCEL_KEY_VALUE",
@@ -45,8 +49,8 @@ __all__ = [
     "DEFAULT_QUEUE",
     "DRY_DEFAULT_SEQUENCE_BREAKERS",
     "DRY_MAX_NGRAM",
-    "EOS_REASON_TO_FINISH_REASON",
     "IDENTIFIER_PATTERN",
+    "IDENTIFIER_RE",
     "MAX_ABS_PENALTY",
     "MAX_ABS_SKEW",
     "MAX_BANNED_TOKEN_IDS",
@@ -55,6 +59,8 @@ __all__ = [
     "MAX_CONSTRAINT_CHARS",
     "MAX_CONTEXT_SPAN",
     "MAX_DEADLINE",
+    "MAX_DRY_BASE",
+    "MAX_DRY_MULTIPLIER",
     "MAX_DRY_SEQUENCE_BREAKERS",
     "MAX_DRY_SEQUENCE_BREAKER_CHARS",
     "MAX_IDENTIFIER_CHARS",
@@ -64,6 +70,8 @@ __all__ = [
     "MAX_METADATA_KEYS",
     "MAX_METADATA_KEY_CHARS",
     "MAX_METADATA_VALUE_CHARS",
+    "MAX_MIROSTAT_ETA",
+    "MAX_MIROSTAT_TAU",
     "MAX_N",
     "MAX_NEW_TOKENS",
     "MAX_PRIORITY",
@@ -71,11 +79,13 @@ __all__ = [
     "MAX_REPETITION_PENALTY",
     "MAX_SEED",
     "MAX_SKIPS",
+    "MAX_SMOOTHING_FACTOR",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
     "MAX_STOP_TOKEN_IDS",
     "MAX_BANNED_STRINGS",
     "MAX_TEMPERATURE",
+    "MAX_TEMP_EXPONENT",
     "MAX_TIMEOUT_S",
     "MAX_TOKEN_BIAS",
     "MAX_TOKEN_BIAS_VALUE",
@@ -83,12 +93,29 @@ __all__ = [
     "MAX_TOP_K",
     "MAX_TOP_LOGPROBS",
     "MIN_PRIORITY",
+    "MIN_REPETITION_PENALTY",
+    "MIN_SAMPLED_TEMPERATURE",
     "PROTOCOL_VERSION",
     "STREAM_FIELD",
     "TASK_NAME",
     "TERMINAL_EVENTS",
     "XTC_SPARED",
     "ChatMessage",
+    "ChainAs",
+    "FunctionCall",
+    "MAX_TOOLS",
+    "MAX_TOOLS_CHARS",
+    "MAX_TOOL_CALLS",
+    "MAX_TOOL_CALL_ID_CHARS",
+    "MAX_CHAT_TEMPLATE_KWARGS_CHARS",
+    "MessageToolCall",
+    "NamedToolChoice",
+    "TOOL_NAME_PATTERN",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "ToolFormat",
+    "ToolFunction",
     "Choice",
     "ChoiceConstraint",
     "ControlMessage",
@@ -97,6 +124,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "GrammarConstraint",
+    "GrammarSyntax",
     "JsonObjectConstraint",
     "JsonSchemaConstraint",
     "OutputConstraint",
@@ -111,11 +139,14 @@ __all__ = [
     "TopLogprob",
     "Usage",
     "attempt_key",
+    "final_key",
     "cancel_key",
     "cancel_message",
+    "chained_payload",
     "channel_name",
     "control_channel",
-    "finish_reason_from_eos",
+    "grammar_source",
+    "grammar_syntax",
     "stream_key",
     "validate_task_id",
 ]
@@ -129,12 +160,12 @@ DEFAULT_KEY_PREFIX = "genq"
 """Every Redis channel and key genq uses starts with ``{prefix}:``."""
 PROTOCOL_VERSION = 1
 STREAM_FIELD = "data"
-"""The field of each replay-stream entry that holds the event JSON (``XADD key * data <json>``)."""
+"""The field of each replay-stream entry that holds the event JSON (``XADD key <attempt>-<seq> data <json>``)."""
 CANCEL_KEY_VALUE = "1"
 CANCEL_KEY_TTL_S = 3600
+"""How long a cancel key should live: long enough to catch a task still waiting in the broker."""
 #: Redis transport priority levels (kombu's priority_steps): 10 levels, 0 served first.
 PRIORITY_STEPS = list(range(10))
-"""How long a cancel key should live: long enough to catch a task still waiting in the broker."""
 
 # --- Limits ------------------------------------------------------------------
 # They bound what one task may ask of a shared GPU worker and keep Redis
@@ -160,7 +191,14 @@ MAX_TOKEN_BIAS_VALUE = 100.0
 """A bias lies in [-100, 100], as in OpenAI's logit_bias: +-100 effectively forces or bans a token."""
 MAX_BANNED_TOKEN_IDS = 1024
 MAX_TEMPERATURE = 2.0
+"""OpenAI's bound; the dynamic temperature's min_temp and max_temp share it."""
+MIN_SAMPLED_TEMPERATURE = 1e-5
+"""The least temperature other than 0 (greedy), vLLM's _SAMPLING_EPS: the logits are divided by it in
+fp32, where a smaller one (1e-300 is 0 there) turns them into infinities."""
+MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
+"""Positive logits are divided by the penalty, negative ones multiplied: a logit of 100 stays below
+1e4 at 0.01, where an fp32 division by 1e-300 (0) is infinite. Useful values lie in 0.8 to 1.5."""
 MAX_ABS_PENALTY = 2.0
 """Bound of frequency_penalty and presence_penalty, as in OpenAI's API."""
 MAX_SEED = 2**63 - 1
@@ -182,15 +220,48 @@ MAX_CONSTRAINT_CHARS = 65_536
 """Bounds the text of a JSON Schema (as JSON), a regex or a grammar: compiling is per request."""
 MAX_CHOICES = 256
 MAX_N = 16
+"""Parallel samples one request may ask for (`n`); each costs a batch row of its own."""
 MAX_SKIPS = 1024
 """Bound of `max_skips`."""
-"""Parallel samples one request may ask for (`n`); each costs a batch row of its own."""
 MAX_CHOICE_CHARS = 1024
+MAX_TOOLS = 128
+"""Tools one request may offer (OpenAI's limit)."""
+MAX_TOOLS_CHARS = 4 * MAX_CONSTRAINT_CHARS
+"""Characters of all the tools' JSON together: they are rendered into the prompt, and a forced call's
+grammar holds the parameters schemas of the tools it may call."""
+MAX_TOOL_CALLS = 128
+"""Tool calls of one assistant message in the history."""
+MAX_TOOL_CALL_ID_CHARS = 256
+TOOL_NAME_PATTERN = f"^{NAME_PATTERN}$"
+"""OpenAI's rule for a function name."""
+MAX_CHAT_TEMPLATE_KWARGS_CHARS = 65_536
+"""Characters of `chat_template_kwargs` as JSON."""
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+"""Template variables genq sets itself: chat_template_kwargs cannot name them."""
 MAX_ABS_SKEW = 10.0
 MAX_CONTEXT_SPAN = 2**31 - 1
-"""Bound of the token counts repetition_penalty_range, repetition_penalty_decay and dry_range."""
+"""Bound of the token counts repetition_penalty_range, repetition_penalty_decay and dry_range: windows
+over the context, clipped to it, so any length is finite; int32, as the engine's token positions."""
 DRY_MAX_NGRAM = 20
 """DRY looks for repeated sequences of at most this many tokens (exllamav2's dry_max_ngram)."""
+MAX_DRY_MULTIPLIER = 100.0
+MAX_DRY_BASE = 8.0
+"""DRY subtracts count * dry_multiplier * dry_base ** (length - dry_allowed_length) from a logit, the
+exponent at most DRY_MAX_NGRAM - 2 = 18: 100 * 8**18 * a count of 2**31 is 4e27, finite in fp32
+(3.4e38), where dry_base 1e308 is not. SillyTavern's sliders stop at 5 and 4; llama.cpp's default
+base is 1.75."""
+MAX_SMOOTHING_FACTOR = 100.0
+"""Quadratic sampling maps a logit to -smoothing_factor * (logit - max)**2; typical factors lie in 0.1
+to 10 (SillyTavern's slider stops at 10)."""
+MAX_MIROSTAT_TAU = 100.0
+"""Mirostat's target surprise in bits: above log2 of any vocabulary (17 bits for 128k tokens) it
+truncates nothing, so 100 leaves room to spare."""
+MAX_MIROSTAT_ETA = 1.0
+"""Mirostat's learning rate: mu moves by eta * (tau - surprise) per token; above 1 it overshoots
+(llama.cpp's default is 0.1, SillyTavern's slider stops at 1)."""
+MAX_TEMP_EXPONENT = 100.0
+"""Dynamic temperature raises the normalized entropy (in [0, 1]) to this power: any positive
+exponent is finite; beyond 100 the temperature is min_temp for every distribution."""
 MAX_DRY_SEQUENCE_BREAKERS = 64
 MAX_DRY_SEQUENCE_BREAKER_CHARS = 32
 DRY_DEFAULT_SEQUENCE_BREAKERS = (".", ",", "!", "?", "<", ">", "[", "]", "(", ")", "{", "}", "\n", "\t", '"')
@@ -198,7 +269,8 @@ DRY_DEFAULT_SEQUENCE_BREAKERS = (".", ",", "!", "?", "<", ">", "[", "]", "(", ")
 XTC_SPARED = ("\n",)
 """exllamav2's default: XTC never excludes a token whose text holds one of these, nor a special token."""
 
-_IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
+IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
+"""IDENTIFIER_PATTERN compiled once, for every check of an identifier, a task id or a key prefix."""
 _TOKEN_ID_KEY_RE = re.compile(r"-?[0-9]{1,19}")
 _INPUT_FIELDS = ("prompt", "messages", "input_ids")
 _RULES_ERROR = "request_rules"
@@ -207,33 +279,17 @@ _RULES_ERROR = "request_rules"
 
 Role = Literal["system", "user", "assistant", "tool"]
 EventType = Literal["started", "chunk", "done", "error", "cancelled"]
-FinishReason = Literal["stop", "length", "cancelled", "error", "deadline"]
-"""OpenAI's names where they exist: stop (a stop token or string), length (max_new_tokens)."""
+FinishReason = Literal["stop", "length", "cancelled", "error", "deadline", "tool_calls"]
+"""OpenAI's names where they exist: stop (a stop token or string), length (max_new_tokens),
+tool_calls (the model ended after calling tools)."""
+ChainAs = Literal["user", "assistant", "prompt_suffix"]
+"""How a chain child's parent result joins its request: appended to `prompt`, or a chat turn of that role."""
 TERMINAL_EVENTS: frozenset[str] = frozenset({"done", "error", "cancelled"})
 _FINISH_REASONS_BY_EVENT: dict[str, frozenset[str]] = {
-    "done": frozenset({"stop", "length", "deadline"}),
+    "done": frozenset({"stop", "length", "deadline", "tool_calls"}),
     "error": frozenset({"error"}),
     "cancelled": frozenset({"cancelled"}),
 }
-EOS_REASON_TO_FINISH_REASON: dict[str, FinishReason] = {
-    "stop_token": "stop",
-    "stop_string": "stop",
-    "constraint_complete": "stop",
-    "error": "error",  # a request that failed inside a step: its error event (the worker sends no result)
-    "max_new_tokens": "length",
-    "cancelled": "cancelled",
-}
-"""The engine's eos_reason values and the finish_reason each one is reported as."""
-
-
-def finish_reason_from_eos(eos_reason: str) -> FinishReason:
-    """The wire finish_reason for an engine eos_reason; unknown reasons are a bug, not a default."""
-    try:
-        return EOS_REASON_TO_FINISH_REASON[eos_reason]
-    except KeyError:
-        known = ", ".join(EOS_REASON_TO_FINISH_REASON)
-        raise ValueError(f"unknown engine eos_reason {eos_reason!r} (known: {known})") from None
-
 
 # --- Errors ------------------------------------------------------------------
 
@@ -264,7 +320,7 @@ def _check_identifier(value: str) -> str:
             "at most {max} characters allowed, got {length}",
             {"max": MAX_IDENTIFIER_CHARS, "length": len(value)},
         )
-    if not _IDENTIFIER_RE.fullmatch(value):
+    if not IDENTIFIER_RE.fullmatch(value):
         raise PydanticCustomError(
             "identifier_pattern",
             "must be 1 to {max} characters from A-Z a-z 0-9 _ . : - starting with a letter or digit "
@@ -281,6 +337,8 @@ TokenBiasValue = Annotated[float, Field(ge=-MAX_TOKEN_BIAS_VALUE, le=MAX_TOKEN_B
 MetadataKey = Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)]
 MetadataValue = Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]
 Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_KEYS)]
+ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+ToolCallId = Annotated[str, Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)]
 
 
 class _Input(BaseModel):
@@ -299,11 +357,50 @@ class _Output(BaseModel):
 # --- Request -------------------------------------------------------------------
 
 
+class FunctionCall(_Input):
+    """The function an assistant message called, as OpenAI sends it: arguments is a JSON string."""
+
+    name: ToolName
+    arguments: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+
+
+class MessageToolCall(_Input):
+    """A tool call in the history: an assistant message's ``tool_calls[i]`` in OpenAI's shape."""
+
+    id: ToolCallId
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Input):
-    """One chat turn; the worker renders the list with the model's chat template."""
+    """One chat turn; the worker renders the list with the model's chat template. An assistant
+    message may carry the tool calls it made (its content may then be left out); a tool message
+    answers one of them, named by tool_call_id."""
 
     role: Role
     content: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1, max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: ToolCallId | None = None
+    name: Annotated[str, Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)] | None = Field(
+        default=None, description="the author's name; on a tool message the function's (some templates need it)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_optional_with_calls(cls, data: Any) -> Any:
+        """OpenAI's assistant message with tool_calls has content null or none: it is ""."""
+        if isinstance(data, Mapping) and data.get("tool_calls") and data.get("content") is None:
+            return {**data, "content": ""}
+        return data
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("message_rules", "tool_calls: only assistant messages carry them, got role "
+                                                       "{role}", {"role": repr(self.role)})
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PydanticCustomError("message_rules", "tool_call_id: only tool messages carry one (the id of the "
+                                                       "call they answer), got role {role}", {"role": repr(self.role)})
+        return self
 
 
 class SamplingParams(_Input):
@@ -314,48 +411,67 @@ class SamplingParams(_Input):
     smoothing_factor, top_k, top_p, top_a, min_p, tfs, typical, mirostat, temperature_last or
     dynamic temperature, XTC, skew. docs/protocol.md says what each does."""
 
-    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 = off; keep the k most likely tokens")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off; nucleus sampling mass")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="0 = off; drop tokens below min_p * max prob")
-    top_a: float = Field(0.0, ge=0.0, le=1.0, description="0 = off; drop tokens below top_a * max prob squared")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="1 = off (HF/CTRL)")
-    frequency_penalty: float = Field(0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY, description="OpenAI's")
-    presence_penalty: float = Field(0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY, description="OpenAI's")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="same seed + same prompt -> same output")
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="0 = greedy")
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K, description="0 = off; keep the k most likely tokens")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="1 = off; nucleus sampling mass")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="0 = off; drop tokens below min_p * max prob")
+    top_a: float = Field(default=0.0, ge=0.0, le=1.0, description="0 = off; drop tokens below top_a * max prob squared")
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                      description="1 = off (HF/CTRL)")
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY, description="OpenAI's")
+    presence_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY, description="OpenAI's")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="same seed + same prompt -> same output")
     token_bias: Annotated[dict[TokenId, TokenBiasValue], Field(max_length=MAX_TOKEN_BIAS)] = Field(
         default_factory=dict, description="token id -> logit bias"
     )
     banned_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED_TOKEN_IDS)] = Field(default_factory=list)
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_BANNED_TOKEN_IDS)] = Field(
         default_factory=list, description="only these tokens may be generated (empty = all)")
-    repetition_penalty_range: int = Field(-1, ge=-1, le=MAX_CONTEXT_SPAN,
+    repetition_penalty_range: int = Field(default=-1, ge=-1, le=MAX_CONTEXT_SPAN,
                                           description="-1 = the whole context; else the last N tokens")
-    repetition_penalty_decay: int = Field(0, ge=0, le=MAX_CONTEXT_SPAN,
+    repetition_penalty_decay: int = Field(default=0, ge=0, le=MAX_CONTEXT_SPAN,
                                           description="tokens before the range over which the penalty fades out")
-    dry_multiplier: float = Field(0.0, ge=0.0, description="0 = off; DRY's penalty scale")
-    dry_base: float = Field(1.75, ge=1.0, description="DRY's penalty grows as dry_base ** (match - allowed)")
-    dry_allowed_length: int = Field(2, ge=1, le=DRY_MAX_NGRAM - 1, description="longest repeat not penalised")
-    dry_range: int = Field(0, ge=0, le=MAX_CONTEXT_SPAN, description="0 = the whole context; else the last N")
+    dry_multiplier: float = Field(default=0.0, ge=0.0, le=MAX_DRY_MULTIPLIER,
+                                  description="0 = off; DRY's penalty scale")
+    dry_base: float = Field(default=1.75, ge=1.0, le=MAX_DRY_BASE,
+                            description="DRY's penalty grows as dry_base ** (match - allowed)")
+    dry_allowed_length: int = Field(default=2, ge=1, le=DRY_MAX_NGRAM - 1, description="longest repeat not penalised")
+    dry_range: int = Field(default=0, ge=0, le=MAX_CONTEXT_SPAN, description="0 = the whole context; else the last N")
     dry_sequence_breakers: Annotated[
         list[Annotated[str, Field(min_length=1, max_length=MAX_DRY_SEQUENCE_BREAKER_CHARS)]],
         Field(max_length=MAX_DRY_SEQUENCE_BREAKERS),
-    ] | None = Field(None, description="a token whose text holds one of these breaks a repeat; "
-                                       "null = exllamav2's default (DRY_DEFAULT_SEQUENCE_BREAKERS)")
-    smoothing_factor: float = Field(0.0, ge=0.0, description="0 = off; quadratic sampling")
-    tfs: float = Field(1.0, gt=0.0, le=1.0, description="1 = off; tail-free sampling")
-    typical: float = Field(1.0, gt=0.0, le=1.0, description="1 = off; locally typical sampling mass")
-    mirostat: bool = Field(False, description="mirostat v2 (temperature > 0)")
-    mirostat_tau: float = Field(1.5, ge=0.0, description="mirostat's target surprise, in bits")
-    mirostat_eta: float = Field(0.1, ge=0.0, description="mirostat's learning rate")
-    temperature_last: bool = Field(False, description="apply temperature after the truncation samplers")
-    min_temp: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="dynamic temperature's low end")
-    max_temp: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE,
+    ] | None = Field(default=None, description="a token whose text holds one of these breaks a repeat; "
+                                               "null = exllamav2's default (DRY_DEFAULT_SEQUENCE_BREAKERS)")
+    smoothing_factor: float = Field(default=0.0, ge=0.0, le=MAX_SMOOTHING_FACTOR,
+                                    description="0 = off; quadratic sampling")
+    tfs: float = Field(default=1.0, gt=0.0, le=1.0, description="1 = off; tail-free sampling")
+    typical: float = Field(default=1.0, gt=0.0, le=1.0, description="1 = off; locally typical sampling mass")
+    mirostat: bool = Field(default=False, description="mirostat v2 (temperature > 0)")
+    mirostat_tau: float = Field(default=1.5, ge=0.0, le=MAX_MIROSTAT_TAU,
+                                description="mirostat's target surprise, in bits")
+    mirostat_eta: float = Field(default=0.1, ge=0.0, le=MAX_MIROSTAT_ETA, description="mirostat's learning rate")
+    temperature_last: bool = Field(default=False, description="apply temperature after the truncation samplers")
+    min_temp: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, description="dynamic temperature's low end")
+    max_temp: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE,
                             description="dynamic temperature is on when max_temp > min_temp")
-    temp_exponent: float = Field(1.0, gt=0.0, description="dynamic temperature's exponent")
-    xtc_probability: float = Field(0.0, ge=0.0, le=1.0, description="0 = off; XTC's chance of excluding")
-    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0, description="XTC excludes top choices at least this likely")
-    skew: float = Field(0.0, ge=-MAX_ABS_SKEW, le=MAX_ABS_SKEW, description="0 = off; > 0 favours less likely tokens")
+    temp_exponent: float = Field(default=1.0, gt=0.0, le=MAX_TEMP_EXPONENT,
+                                 description="dynamic temperature's exponent")
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0, description="0 = off; XTC's chance of excluding")
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0,
+                                 description="XTC excludes top choices at least this likely")
+    skew: float = Field(default=0.0, ge=-MAX_ABS_SKEW, le=MAX_ABS_SKEW,
+                        description="0 = off; > 0 favours less likely tokens")
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampled(cls, temperature: float) -> float:
+        if 0.0 < temperature < MIN_SAMPLED_TEMPERATURE:
+            raise PydanticCustomError(
+                "temperature_too_small",
+                "must be 0 (greedy) or at least {min} (the logits are divided by it in fp32), got {value}",
+                {"min": MIN_SAMPLED_TEMPERATURE, "value": temperature},
+            )
+        return temperature
 
     @field_validator("max_temp")
     @classmethod
@@ -394,8 +510,8 @@ class SamplingParams(_Input):
 class StreamOptions(_Input):
     """What the worker publishes while generating."""
 
-    enabled: bool = Field(True, description="publish chunk events (started and the final event always are)")
-    include_token_ids: bool = Field(False, description="put token ids in chunk and final events")
+    enabled: bool = Field(default=True, description="publish chunk events (started and the final event always are)")
+    include_token_ids: bool = Field(default=False, description="put token ids in chunk and final events")
 
 
 class JsonSchemaConstraint(_Input):
@@ -447,6 +563,65 @@ OutputConstraint = Annotated[
     JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | ChoiceConstraint | GrammarConstraint,
     Field(discriminator="type"),
 ]
+GrammarSyntax = Literal["json_schema", "regex", "choice", "lark", "gbnf"]
+"""The formats of llguidance.grammar_from that a constraint becomes."""
+_ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def grammar_syntax(text: str) -> Literal["lark", "gbnf"]:
+    """The syntax of a grammar given without one (vLLM's guided_grammar, the CLI's --grammar): GBNF
+    defines its rules with `::=`, Lark with `:`."""
+    return "gbnf" if "::=" in text else "lark"
+
+
+def grammar_source(constraint: OutputConstraint) -> tuple[GrammarSyntax, str]:
+    """The constraint as llguidance.grammar_from's (format, text): the one conversion of a wire
+    constraint into a grammar, for the gateway's check and the worker's compilation alike (this
+    module imports no llguidance). A JSON Schema asks for compact output (no whitespace between
+    tokens: a model must not spend its tokens on blank space) unless it sets llguidance's own
+    x-guidance options; json_object is the schema {"type": "object"}."""
+    if isinstance(constraint, (JsonSchemaConstraint, JsonObjectConstraint)):
+        schema = constraint.json_schema if isinstance(constraint, JsonSchemaConstraint) else _ANY_JSON_OBJECT
+        if "x-guidance" not in schema:
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        return "json_schema", json.dumps(schema, sort_keys=True)
+    if isinstance(constraint, RegexConstraint):
+        return "regex", constraint.pattern
+    if isinstance(constraint, ChoiceConstraint):
+        return "choice", json.dumps(constraint.choices)
+    return constraint.syntax, constraint.grammar
+
+
+class ToolFunction(_Input):
+    """A function the model may call: OpenAI's ``tools[i].function``. parameters is the JSON Schema
+    of its arguments (none: it takes no arguments); strict is accepted: a forced call's arguments
+    always validate against the schema (docs/tools.md)."""
+
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Input):
+    """One of OpenAI's ``tools``: only functions exist."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(_Input):
+    name: ToolName
+
+
+class NamedToolChoice(_Input):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class GenerationRequest(_Input):
@@ -455,8 +630,8 @@ class GenerationRequest(_Input):
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     input_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_INPUT_IDS)] | None = None
-    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
-    min_new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS, description="stop tokens are blocked until reached")
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS)
+    min_new_tokens: int = Field(default=0, ge=0, le=MAX_NEW_TOKENS, description="stop tokens are blocked until reached")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] = Field(
         default_factory=list, description="stop strings; never included in the output"
@@ -464,32 +639,60 @@ class GenerationRequest(_Input):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = Field(
         default_factory=list, description="extra stop tokens, besides the model's EOS ids"
     )
-    ignore_eos: bool = Field(False, description="do not stop on the model's EOS ids (stop_token_ids still stop)")
-    add_bos: bool | None = Field(None, description="None = the tokenizer's default; prompt only")
+    ignore_eos: bool = Field(default=False,
+                             description="do not stop on the model's EOS ids (stop_token_ids still stop)")
+    add_bos: bool | None = Field(default=None, description="None = the tokenizer's default; prompt only")
     decode_special_tokens: bool = False
-    identifier: Identifier | None = Field(None, description="names the channel and keys; None = the task id")
-    priority: int | None = Field(None, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0 = highest")
-    deadline: float | None = Field(None, gt=0.0, le=MAX_DEADLINE, description="unix time, seconds")
-    timeout_s: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_S, description="seconds from pick-up")
+    identifier: Identifier | None = Field(default=None, description="names the channel and keys; None = the task id")
+    priority: int | None = Field(default=None, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0 = highest")
+    deadline: float | None = Field(default=None, gt=0.0, le=MAX_DEADLINE, description="unix time, seconds")
+    timeout_s: float | None = Field(default=None, gt=0.0, le=MAX_TIMEOUT_S, description="seconds from pick-up")
     stream: StreamOptions = Field(default_factory=StreamOptions)
     metadata: Metadata = Field(default_factory=dict, description="passed through to the result")
-    constraint: OutputConstraint | None = Field(None, description="what the output must match (docs/protocol.md)")
-    logprobs: bool = Field(False, description="each generated token's log-probability, in chunks and the result")
-    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description="that many alternatives per token "
+    chain_as: ChainAs | None = Field(default=None, description="as a Celery chain or chord child: how the parent's "
+                                     "result text joins this request (chained_payload)")
+    constraint: OutputConstraint | None = Field(default=None,
+                                                description="what the output must match (docs/protocol.md)")
+    logprobs: bool = Field(default=False,
+                           description="each generated token's log-probability, in chunks and the result")
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS, description="that many alternatives per token "
                                                                        "(implies logprobs)")
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="each prompt token's log-probability given the tokens before it, with that many alternatives "
+                    "(vLLM's prompt_logprobs; 0 = the token's own only), computed in the prefill; such a prompt is "
+                    "not read from the prefix cache; in the result, and streamed on one chunk event")
     banned_strings: Annotated[list[StopString], Field(max_length=MAX_BANNED_STRINGS)] = Field(
         default_factory=list, description="text the output never contains (the engine rewinds; exllamav2's)")
-    token_healing: bool = Field(False, description="regenerate the prompt's last token among those beginning "
-                                                   "with its text (exllamav2's)")
-    max_skips: int | None = Field(None, ge=0, le=MAX_SKIPS, description="times a request that does not fit "
+    token_healing: bool = Field(default=False, description="regenerate the prompt's last token among those beginning "
+                                                           "with its text (exllamav2's)")
+    max_skips: int | None = Field(default=None, ge=0, le=MAX_SKIPS, description="times a request that does not fit "
                                   "the cache yet may be passed over by later ones; None = the worker's (16)")
-    n: int = Field(1, ge=1, le=MAX_N, description="parallel samples of the prompt, which is computed once; "
+    n: int = Field(default=1, ge=1, le=MAX_N, description="parallel samples of the prompt, which is computed once; "
                                                  "sample i is seeded seed + i, its chunks carry index i")
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        default=None, description="functions the model may call (OpenAI's tools); messages only")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="none | auto | required | a named function; null = auto with tools")
+    parallel_tool_calls: bool = Field(default=True, description="a forced call may be several calls")
+    tool_format: ToolFormat | None = Field(
+        default=None, description="the tool-call format the model writes; null = the worker's, read from its chat "
+                                  "template")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="extra variables for the chat template (e.g. enable_thinking); messages only")
+    add_generation_prompt: bool = Field(default=True, description="end the prompt with the assistant turn's opening")
+    continue_final_message: bool = Field(
+        default=False, description="render the last (assistant) message open, for the model to continue it; needs "
+                                   "add_generation_prompt false")
+    reasoning_format: ReasoningFormat | None = Field(
+        default=None, description="how the model writes its thought (qwen3, deepseek_r1, none); null = the worker's, "
+                                  "read from its chat template, for messages")
 
     @field_validator("messages")
     @classmethod
     def _bound_total_message_chars(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
-        total = sum(len(m.content) for m in messages or ())
+        total = sum(len(m.content) + sum(len(call.function.arguments) for call in m.tool_calls or ())
+                    for m in messages or ())
         if total > MAX_PROMPT_CHARS:
             raise PydanticCustomError(
                 "messages_too_long",
@@ -497,6 +700,33 @@ class GenerationRequest(_Input):
                 {"max": MAX_PROMPT_CHARS, "total": total},
             )
         return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _bound_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        size = len(json.dumps([tool.model_dump(mode="json", exclude_none=True) for tool in tools or ()]))
+        if size > MAX_TOOLS_CHARS:
+            raise PydanticCustomError("tools_too_long", "at most {max} characters of JSON allowed in all tools "
+                                                        "together, got {size}", {"max": MAX_TOOLS_CHARS, "size": size})
+        return tools
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bound_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if kwargs is None:
+            return None
+        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise PydanticCustomError("template_kwargs_reserved", "cannot set {names}: genq sets them itself",
+                                      {"names": ", ".join(reserved)})
+        try:
+            size = len(json.dumps(kwargs))
+        except (TypeError, ValueError):
+            raise PydanticCustomError("template_kwargs_not_json", "must be a JSON object") from None
+        if size > MAX_CHAT_TEMPLATE_KWARGS_CHARS:
+            raise PydanticCustomError("template_kwargs_too_long", "at most {max} characters of JSON allowed, got "
+                                      "{size}", {"max": MAX_CHAT_TEMPLATE_KWARGS_CHARS, "size": size})
+        return kwargs
 
     @model_validator(mode="after")
     def _check_rules(self) -> GenerationRequest:
@@ -525,6 +755,50 @@ class GenerationRequest(_Input):
         return self.model_dump(mode="json", exclude_defaults=True)
 
 
+def chained_payload(kwargs: Mapping[str, Any], parents: tuple[Any, ...]) -> Mapping[str, Any]:
+    """The task kwargs with the parent's result joined as `chain_as` says, for a task that Celery
+    runs as a chain or chord child (it passes the parent's result as the one positional argument).
+    ProtocolError when there is more than one, when chain_as is missing or does not fit the request,
+    or when the parent's result holds no text; the parent itself is never failed for it."""
+    if not parents or not isinstance(kwargs, Mapping):
+        return kwargs
+    if len(parents) > 1:
+        raise ProtocolError([f"args: at most one positional argument (the parent's result in a chain), "
+                             f"got {len(parents)}"])
+    mode = kwargs.get("chain_as")
+    if mode is None:
+        raise ProtocolError([
+            "chain_as: this task got its parent's result (it runs as a chain or chord child); set chain_as to "
+            "'user', 'assistant' or 'prompt_suffix' to say how that text joins the request, or send an immutable "
+            "signature (.si()) to ignore it"])
+    if mode not in get_args(ChainAs):
+        return kwargs  # parse_payload names the bad value
+    text = _parent_text(parents[0])
+    if mode == "prompt_suffix":
+        if not isinstance(kwargs.get("prompt"), str):
+            raise ProtocolError(["chain_as: 'prompt_suffix' appends to prompt, which this request lacks; use 'user' "
+                                 "or 'assistant' with messages"])
+        return {**kwargs, "prompt": kwargs["prompt"] + text}
+    messages = kwargs.get("messages")
+    if not isinstance(messages, list):
+        raise ProtocolError([f"chain_as: {mode!r} appends a chat turn to messages, which this request lacks; use "
+                             "'prompt_suffix' with prompt"])
+    return {**kwargs, "messages": [*messages, {"role": mode, "content": text}]}
+
+
+def _parent_text(parent: Any) -> str:
+    """A parent's result as text: a genq result's `text`, a string as it is, or a chord header's
+    (a group's) results in order, each so read, separated by a blank line."""
+    if isinstance(parent, list) and parent and not any(isinstance(item, list) for item in parent):
+        return "\n\n".join(_parent_text(item) for item in parent)
+    if isinstance(parent, str):
+        return parent
+    if isinstance(parent, Mapping) and isinstance(parent.get("text"), str):
+        return parent["text"]
+    raise ProtocolError([f"chain: the parent's result must be a genq result (an object with text), a string or an "
+                         f"array of those, got {_json_type(parent)}"])
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -544,7 +818,75 @@ def _rule_problems(data: Mapping[str, Any]) -> list[str]:
     if data.get("deadline") is not None and data.get("timeout_s") is not None:
         problems.append(
             "deadline|timeout_s: give at most one of deadline (absolute) and timeout_s (relative), not both")
+    if data.get("constraint") is not None:
+        if data.get("banned_strings"):
+            problems.append("constraint|banned_strings: give at most one of constraint and banned_strings (a "
+                            "rewind would have to take back grammar state); express the ban in the grammar")
+        if data.get("token_healing") is True:
+            problems.append("constraint|token_healing: give at most one of constraint and token_healing (the "
+                            "grammar decides the first token)")
+    if data.get("tools") is not None:
+        if data.get("messages") is None:
+            problems.append("tools: need messages (a chat): the tools reach the model through its chat template")
+        if data.get("constraint") is not None:
+            problems.append("constraint|tools: give at most one of constraint and tools (a forced call is a "
+                            "constraint of its own)")
+        choice = data.get("tool_choice")
+        names = _tool_names(data["tools"])
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
+        function = choice.get("function") if isinstance(choice, Mapping) else None
+        wanted = function.get("name") if isinstance(function, Mapping) else None
+        if isinstance(wanted, str) and names is not None and wanted not in names:
+            problems.append(f"tool_choice.function.name: names no function of tools ({', '.join(names)}), got "
+                            f"{_preview(wanted)}")
+        if names is not None and len(set(names)) != len(names):
+            problems.append(f"tools: function names must be unique, got {', '.join(names)}")
+    elif data.get("tool_choice") not in (None, "none"):
+        problems.append("tool_choice: needs tools")
+    problems += _template_rule_problems(data)
     return problems
+
+
+def _template_rule_problems(data: Mapping[str, Any]) -> list[str]:
+    """The rules of how messages are rendered (vLLM's): the options need messages, and a
+    continued final message is an assistant's, with no generation prompt after it."""
+    problems: list[str] = []
+    chat = data.get("messages") is not None
+    if data.get("chat_template_kwargs") is not None and not chat:
+        problems.append("chat_template_kwargs: needs messages (a chat)")
+    if data.get("add_generation_prompt") is False and not chat:
+        problems.append("add_generation_prompt: needs messages (a chat)")
+    if data.get("continue_final_message") is True:
+        if data.get("add_generation_prompt", True) is not False:
+            problems.append("continue_final_message|add_generation_prompt: continuing the final message needs "
+                            "add_generation_prompt false (vLLM's rule)")
+        messages = data.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        role = last.role if isinstance(last, ChatMessage) else last.get("role") if isinstance(last, Mapping) else None
+        if not chat:
+            problems.append("continue_final_message: needs messages (a chat)")
+        elif role is not None and role != "assistant":
+            problems.append(f"continue_final_message: the last message must be the assistant's to continue, got "
+                            f"role {role!r}")
+    return problems
+
+
+def _tool_names(tools: object) -> list[str] | None:
+    """The function names of validated tools or of raw ones (None when their shape is wrong)."""
+    if not isinstance(tools, list):
+        return None
+    names = []
+    for tool in tools:
+        if isinstance(tool, Tool):
+            names.append(tool.function.name)
+            continue
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str):
+            return None
+        names.append(name)
+    return names
 
 
 def _json_type(value: object) -> str:
@@ -586,8 +928,13 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
 
 def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
     shape = tuple(int if isinstance(part, int) else part for part in loc)
-    model = {(): GenerationRequest, ("sampling",): SamplingParams, ("stream",): StreamOptions,
-             ("messages", int): ChatMessage}.get(shape)
+    models: dict[tuple[object, ...], type[BaseModel]] = {
+        (): GenerationRequest, ("sampling",): SamplingParams, ("stream",): StreamOptions,
+        ("messages", int): ChatMessage, ("messages", int, "tool_calls", int): MessageToolCall,
+        ("messages", int, "tool_calls", int, "function"): FunctionCall, ("tools", int): Tool,
+        ("tools", int, "function"): ToolFunction,
+    }
+    model = models.get(shape)
     return list(model.model_fields) if model else None
 
 
@@ -625,17 +972,17 @@ def _describe(error: Mapping[str, Any]) -> str:
 class Usage(_Output):
     """Token counts, as in OpenAI's usage object (cached_tokens: prompt tokens served from cache)."""
 
-    prompt_tokens: int = Field(0, ge=0)
-    completion_tokens: int = Field(0, ge=0)
-    cached_tokens: int = Field(0, ge=0)
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
 
 
 class Timings(_Output):
     """Where the time went: waiting for the engine, computing the prompt, generating."""
 
-    queued_s: float = Field(0.0, ge=0.0)
-    prefill_s: float = Field(0.0, ge=0.0)
-    generate_s: float = Field(0.0, ge=0.0)
+    queued_s: float = Field(default=0.0, ge=0.0)
+    prefill_s: float = Field(default=0.0, ge=0.0)
+    generate_s: float = Field(default=0.0, ge=0.0)
 
 
 class TopLogprob(_Output):
@@ -655,6 +1002,15 @@ class TokenLogprob(_Output):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+class ToolCall(_Output):
+    """A tool call read out of the output: arguments is the JSON text of the arguments object, as
+    the model wrote it; the id is derived from the request's identifier and the call's index."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class Choice(_Output):
     """One of the n samples of a request with n > 1, on its final event and in its result."""
 
@@ -663,6 +1019,10 @@ class Choice(_Output):
     token_ids: list[TokenId] | None = None
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason
+    content: str | None = Field(default=None, description="with tools: the text outside the tool calls")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="with tools: the calls in the text")
+    reasoning_content: str | None = Field(default=None, description="a thinking model's thought (then content is "
+                                                                    "the text after it)")
 
 
 class StreamEvent(_Output):
@@ -672,7 +1032,9 @@ class StreamEvent(_Output):
     concatenation of that attempt's chunk texts. seq is contiguous from 0 within an attempt;
     attempt grows by one each time the task is redelivered. With n > 1 every chunk carries the
     `index` of its sample, the terminal event's `choices` hold each sample's whole text, and its
-    top-level text is sample 0's (the concatenation of the chunks with index 0)."""
+    top-level text is sample 0's (the concatenation of the chunks with index 0). A request with
+    prompt_logprobs has them, with its prompt_token_ids, on one chunk per attempt: sample 0's first
+    after the prefill (its text may be empty); the final event leaves them to the result."""
 
     id: Identifier
     seq: int = Field(ge=0)
@@ -685,13 +1047,27 @@ class StreamEvent(_Output):
     usage: Usage | None = None
     timings: Timings | None = None
     error: str | None = None
-    index: int | None = Field(None, ge=0, lt=MAX_N)
+    index: int | None = Field(default=None, ge=0, lt=MAX_N)
     choices: list[Choice] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> StreamEvent:
         if self.index is not None and self.event != "chunk":
             raise PydanticCustomError("event_rules", "index: only chunk events carry one", {})
+        if (self.prompt_token_ids is None) != (self.prompt_logprobs is None):
+            raise PydanticCustomError("event_rules", "prompt_token_ids and prompt_logprobs: set together or not at all",
+                                      {})
+        if self.prompt_logprobs is not None:
+            assert self.prompt_token_ids is not None
+            if self.event != "chunk" or self.index not in (None, 0):
+                raise PydanticCustomError("event_rules", "prompt_logprobs: only chunk events of sample 0 carry them",
+                                          {})
+            if len(self.prompt_logprobs) != len(self.prompt_token_ids):
+                raise PydanticCustomError(
+                    "event_rules", "prompt_logprobs: one per prompt_token_ids entry, got {got} for {tokens} tokens",
+                    {"got": len(self.prompt_logprobs), "tokens": len(self.prompt_token_ids)})
         if self.choices is not None and self.event not in ("done", "cancelled"):
             raise PydanticCustomError("event_rules", "choices: only done and cancelled events carry them", {})
         allowed = _FINISH_REASONS_BY_EVENT.get(self.event)
@@ -728,14 +1104,21 @@ class GenerationResult(_Output):
     attempt: int = Field(ge=1)
     text: str
     token_ids: list[TokenId] = Field(default_factory=list, description="the completion's token ids")
-    logprobs: list[TokenLogprob] | None = Field(None, description="per completion token, if requested")
+    logprobs: list[TokenLogprob] | None = Field(default=None, description="per completion token, if requested")
+    prompt_token_ids: list[TokenId] | None = Field(default=None, description="the prompt as the model read it, "
+                                                   "with prompt_logprobs")
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(
+        default=None, description="with prompt_logprobs: one per prompt token, the first null (nothing precedes it)")
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
     metadata: Metadata = Field(default_factory=dict, description="the request's, unchanged")
-    choices: list[Choice] | None = Field(None, description="n > 1: every sample, by index (the top-level "
+    choices: list[Choice] | None = Field(default=None, description="n > 1: every sample, by index (the top-level "
                                                             "text, token_ids, logprobs and finish_reason are "
                                                             "choice 0's)")
+    content: str | None = Field(default=None, description="with tools: choice 0's text outside its tool calls")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="with tools: choice 0's tool calls")
+    reasoning_content: str | None = Field(default=None, description="choice 0's thought, from a thinking model")
 
     @field_validator("finish_reason")
     @classmethod
@@ -762,7 +1145,7 @@ class ControlMessage(_Output):
 
 
 def _name_part(value: object, what: str) -> str:
-    if not isinstance(value, str) or not _IDENTIFIER_RE.fullmatch(value):
+    if not isinstance(value, str) or not IDENTIFIER_RE.fullmatch(value):
         raise ProtocolError([
             f"{what}: must match {IDENTIFIER_PATTERN} (it names Redis keys and channels), got {_preview(value)}"
         ])
@@ -789,6 +1172,13 @@ def stream_key(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
 def cancel_key(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """The key whose existence cancels a request, even one still waiting in the broker."""
     return f"{_name_part(prefix, 'prefix')}:cancel:{_name_part(identifier, 'identifier')}"
+
+
+def final_key(task_id: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """A finished task's result as JSON, written with its final event and deleted once Celery has
+    stored the result: what a redelivered message is answered with, and a status read between
+    the two."""
+    return f"{_name_part(prefix, 'prefix')}:final:{task_id}"
 
 
 def attempt_key(identifier: str, prefix: str = DEFAULT_KEY_PREFIX) -> str:

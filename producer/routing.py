@@ -11,6 +11,11 @@ queue plus the routes given by GENQ_PREFIX_ROUTE (e.g. `0` or `0,1`). Keep
 the hashed start no longer than the part requests share (the system prompt):
 requests that differ within it are spread like unrouted ones.
 
+Chained genq tasks, and callbacks sent from a genq worker, are routed there
+by task_router: only `genq.generate` goes to a genq queue; any other task (a
+user's own callback) keeps its own routes or Celery's default queue, where
+the user's workers look, instead of landing on a queue no worker of it reads.
+
 Every route needs a worker consuming it, or its requests wait for one: run
 one worker per route (with a restart policy), or give each route to two
 workers for redundancy at some cost in hit rate. The hash is SHA-256, not
@@ -20,8 +25,10 @@ Python's hash(), so every producer process agrees on the routes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from producer.protocol import TASK_NAME
 
 ROUTE_SEPARATOR = ".route"
 MAX_PREFIX_ROUTES = 1024
@@ -47,3 +54,16 @@ def prefix_route(kwargs: Mapping[str, Any], routes: int, chars: int) -> int:
     """Which of `routes` routes a request goes to: the same for the same first `chars` characters."""
     digest = hashlib.sha256(request_prefix(kwargs, chars).encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") % routes
+
+
+def task_router(queue_for: Callable[[Mapping[str, Any]], str]) -> Callable[..., dict[str, str] | None]:
+    """A Celery router (task_routes) that sends `genq.generate` to `queue_for(kwargs)` and has
+    no say on any other task."""
+
+    def route(name: str, args: Any, kwargs: Mapping[str, Any] | None, options: Any, task: Any = None,
+              **_: Any) -> dict[str, str] | None:
+        if name != TASK_NAME:
+            return None
+        return {"queue": queue_for(kwargs if isinstance(kwargs, Mapping) else {})}
+
+    return route

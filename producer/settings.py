@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
-import redis.asyncio
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio import Redis as AsyncRedis
 
 from producer.protocol import DEFAULT_KEY_PREFIX, DEFAULT_QUEUE, PRIORITY_STEPS
 from producer.redis_connect import celery_transport_options, connect, connect_async, is_sentinel_url, parse_sentinel_url
@@ -30,26 +30,27 @@ class ClientSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GENQ_", extra="ignore", populate_by_name=True)
 
-    redis_url: str = Field(DEFAULT_REDIS_URL, validation_alias="GENQ_REDIS_URL",
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, validation_alias="GENQ_REDIS_URL",
                            description="streams and cancellation; broker and results by default")
-    broker_url: str | None = Field(None, validation_alias="GENQ_BROKER_URL",
+    broker_url: str | None = Field(default=None, validation_alias="GENQ_BROKER_URL",
                                    description="overrides redis_url for the Celery broker")
-    result_backend: str | None = Field(None, validation_alias="GENQ_RESULT_BACKEND",
+    result_backend: str | None = Field(default=None, validation_alias="GENQ_RESULT_BACKEND",
                                        description="overrides redis_url for Celery results")
-    queue: str = Field(DEFAULT_QUEUE, min_length=1, validation_alias="GENQ_QUEUE",
+    queue: str = Field(default=DEFAULT_QUEUE, min_length=1, validation_alias="GENQ_QUEUE",
                        description="the queue of the model to use")
-    key_prefix: str = Field(DEFAULT_KEY_PREFIX, validation_alias="GENQ_KEY_PREFIX",
+    key_prefix: str = Field(default=DEFAULT_KEY_PREFIX, validation_alias="GENQ_KEY_PREFIX",
                             description="prefix of every channel / stream / cancel key")
-    visibility_timeout_s: int = Field(3600, ge=1, validation_alias="GENQ_VISIBILITY_TIMEOUT_S",
-                                      description="must match the workers' (Redis transport option)")
-    sentinel_master: str | None = Field(None, validation_alias="GENQ_SENTINEL_MASTER",
+    visibility_timeout_s: int = Field(default=3600, ge=1, validation_alias="GENQ_VISIBILITY_TIMEOUT_S",
+                                      description="seconds before an unacknowledged task is redelivered (a Redis "
+                                                  "transport option: producers and workers must agree)")
+    sentinel_master: str | None = Field(default=None, validation_alias="GENQ_SENTINEL_MASTER",
                                         description="the master's name, for sentinel:// URLs")
     watchdog_after_s: float | None = Field(
-        None, gt=0, validation_alias="GENQ_WATCHDOG_AFTER_S",
+        default=None, gt=0, validation_alias="GENQ_WATCHDOG_AFTER_S",
         description="clients resend a request silent this long (producer/watchdog.py); off when unset")
-    prefix_routes: int = Field(0, ge=0, le=MAX_PREFIX_ROUTES, validation_alias="GENQ_PREFIX_ROUTES",
+    prefix_routes: int = Field(default=0, ge=0, le=MAX_PREFIX_ROUTES, validation_alias="GENQ_PREFIX_ROUTES",
                                description="opt-in prefix-aware routing over this many queues (producer/routing.py)")
-    prefix_route_chars: int = Field(256, ge=1, validation_alias="GENQ_PREFIX_ROUTE_CHARS",
+    prefix_route_chars: int = Field(default=256, ge=1, validation_alias="GENQ_PREFIX_ROUTE_CHARS",
                                     description="characters of a request's start that choose its route")
 
     @model_validator(mode="after")
@@ -84,7 +85,7 @@ class ClientSettings(BaseSettings):
         """A client for redis_url (or `url`), plain or through Sentinel."""
         return connect(url or self.redis_url, self.sentinel_master, **options)
 
-    def redis_async(self, url: str | None = None, **options: Any) -> redis.asyncio.Redis:
+    def redis_async(self, url: str | None = None, **options: Any) -> AsyncRedis:
         return connect_async(url or self.redis_url, self.sentinel_master, **options)
 
 

@@ -38,6 +38,8 @@ from producer.protocol import DEFAULT_KEY_PREFIX, TASK_NAME, lease_key, stream_k
 
 log = logging.getLogger(__name__)
 
+MAX_RESENDS = 3
+"""A request still silent after this many resends is given up on (and logged)."""
 Progress = tuple[bytes | None, str | None]
 """What changes while a request advances: its stream's last entry id and its stored state."""
 
@@ -54,17 +56,15 @@ class Tracked:
 
 class Watchdog:
     """Tracks sent requests until their result is final; `check()` resends the
-    ones that showed no progress for `after_s` seconds (at most `max_resends`
+    ones that showed no progress for `after_s` seconds (at most MAX_RESENDS
     times each). Call check() from a loop of your own, or start() a thread
     that calls it (GenqClient does with GENQ_WATCHDOG_AFTER_S). Thread-safe."""
 
-    def __init__(self, app: Celery, client: redis.Redis, after_s: float, key_prefix: str = DEFAULT_KEY_PREFIX,
-                 max_resends: int = 3) -> None:
+    def __init__(self, app: Celery, client: redis.Redis, after_s: float, key_prefix: str = DEFAULT_KEY_PREFIX) -> None:
         self.app = app
         self.client = client
         self.after_s = after_s
         self.key_prefix = key_prefix
-        self.max_resends = max_resends
         self.tracked: dict[str, Tracked] = {}
         self.resent = 0
         self._lock = threading.Lock()
@@ -76,11 +76,11 @@ class Watchdog:
         with self._lock:
             self.tracked[task_id] = Tracked(identifier, kwargs, queue, time.monotonic())
 
-    def start(self, interval_s: float | None = None) -> None:
-        """Check every `interval_s` (default: a third of after_s, 1 to 10 s) on a daemon thread."""
+    def start(self) -> None:
+        """Check every third of after_s (1 to 10 s) on a daemon thread."""
         if self._thread is not None:
             return
-        interval = interval_s if interval_s is not None else min(10.0, max(1.0, self.after_s / 3))
+        interval = min(10.0, max(1.0, self.after_s / 3))
         self._thread = threading.Thread(target=self._run, args=(interval,), name="genq-watchdog", daemon=True)
         self._thread.start()
 
@@ -100,38 +100,35 @@ class Watchdog:
     def check(self) -> list[str]:
         """Forget finished requests; resend the ones quiet for `after_s`; return the resent task ids."""
         with self._lock:
-            return self._check()
-
-    def _check(self) -> list[str]:
-        now = time.monotonic()
-        due = [(task_id, t) for task_id, t in self.tracked.items() if now - t.quiet_since >= self.after_s]
-        if not due:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for task_id, tracked in due:
-            pipe.xrevrange(stream_key(tracked.identifier, self.key_prefix), count=1)
-            pipe.get(self.app.backend.get_key_for_task(task_id))
-            pipe.exists(lease_key(tracked.identifier, self.key_prefix))
-        replies = pipe.execute()
-        resent: list[str] = []
-        for n, (task_id, tracked) in enumerate(due):
-            last_entry, meta, leased = replies[3 * n: 3 * n + 3]
-            status = json.loads(meta)["status"] if meta is not None else None
-            progress = (last_entry[0][0] if last_entry else None, status)
-            if status in states.READY_STATES:
-                del self.tracked[task_id]
-            elif leased or progress != tracked.progress:
-                tracked.progress = progress
-                tracked.quiet_since = now
-            elif tracked.resends >= self.max_resends:
-                log.error("request %s is still silent after %d resends; giving up on it", task_id, tracked.resends)
-                del self.tracked[task_id]
-            else:
-                log.warning("request %s showed no progress for %.0f s; sending it again", task_id,
-                            now - tracked.quiet_since)
-                self.app.send_task(TASK_NAME, kwargs=tracked.kwargs, task_id=task_id, queue=tracked.queue)
-                tracked.quiet_since = now
-                tracked.resends += 1
-                resent.append(task_id)
-        self.resent += len(resent)
-        return resent
+            now = time.monotonic()
+            due = [(task_id, t) for task_id, t in self.tracked.items() if now - t.quiet_since >= self.after_s]
+            if not due:
+                return []
+            pipe = self.client.pipeline(transaction=False)
+            for task_id, tracked in due:
+                pipe.xrevrange(stream_key(tracked.identifier, self.key_prefix), count=1)
+                pipe.get(self.app.backend.get_key_for_task(task_id))
+                pipe.exists(lease_key(tracked.identifier, self.key_prefix))
+            replies = pipe.execute()
+            resent: list[str] = []
+            for n, (task_id, tracked) in enumerate(due):
+                last_entry, meta, leased = replies[3 * n: 3 * n + 3]
+                status = json.loads(meta)["status"] if meta is not None else None
+                progress = (last_entry[0][0] if last_entry else None, status)
+                if status in states.READY_STATES:
+                    del self.tracked[task_id]
+                elif leased or progress != tracked.progress:
+                    tracked.progress = progress
+                    tracked.quiet_since = now
+                elif tracked.resends >= MAX_RESENDS:
+                    log.error("request %s is still silent after %d resends; giving up on it", task_id, tracked.resends)
+                    del self.tracked[task_id]
+                else:
+                    log.warning("request %s showed no progress for %.0f s; sending it again", task_id,
+                                now - tracked.quiet_since)
+                    self.app.send_task(TASK_NAME, kwargs=tracked.kwargs, task_id=task_id, queue=tracked.queue)
+                    tracked.quiet_since = now
+                    tracked.resends += 1
+                    resent.append(task_id)
+            self.resent += len(resent)
+            return resent

@@ -1,7 +1,11 @@
 """The chaos run: many short tasks through real workers on a real redis-server
 (append-only file on) while workers are SIGKILLed, Redis is killed -9 and
 restarted gracefully, and poison messages are interleaved; then every task
-is checked for a result and every stream for exactly one final event.
+is checked for a result and every stream for exactly one final event. With
+`hostile_every`, hostile-but-valid requests (issue 23's kinds: extreme sampler
+values, 20 top log-probabilities, 16 samples, slow-to-compile constraints)
+are mixed in: each must end once, and every well-formed task must still
+finish with the tokens the engine gives its prompt in this process.
 
 Used by tests/test_chaos.py (a small run in the default suite, the full one
 behind `make chaos`); `python -m tests.chaos` runs it by hand and prints the
@@ -22,9 +26,13 @@ from typing import Any
 import redis
 from celery import Celery, states
 
-from producer.protocol import TASK_NAME, StreamEvent, stream_key
+from engine import Generator
+from producer import protocol
+from producer.protocol import TASK_NAME, GenerationRequest, StreamEvent, stream_key
 from producer.watchdog import Watchdog
+from tests.engine_runs import run as run_jobs
 from tests.service import RawPublisher, plain_client, replay
+from worker.jobs import build_job
 from worker.processes import RedisServer, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -40,6 +48,8 @@ class ChaosPlan:
     redis_crashes: int = 1
     redis_restarts: int = 1
     poison_every: int = 10
+    hostile_every: int = 0
+    """0 = none; 20 = one hostile request after every 20 well-formed ones (5%)."""
     visibility_timeout_s: int = 30
     timeout_s: float = 600.0
     watchdog_after_s: float = 45.0
@@ -49,6 +59,7 @@ class ChaosPlan:
 class ChaosFigures:
     tasks: int = 0
     poison_messages: int = 0
+    hostile_requests: int = 0
     lost: list[str] = field(default_factory=list)
     duplicated_final_results: list[str] = field(default_factory=list)
     bad_streams: list[str] = field(default_factory=list)
@@ -68,6 +79,37 @@ class ChaosFigures:
         return figures
 
 
+def _wide_schema(properties: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties)},
+            "required": ["p0"]}
+
+
+def _chain_grammar(rules: int) -> str:
+    """A GBNF of `rules` rules, each referring to the next."""
+    lines = [f'r{i} ::= "x" r{i + 1} | "y"' for i in range(rules)]
+    return "\n".join(["root ::= r0", *lines, f'r{rules} ::= "z"'])
+
+
+HOSTILE_REQUESTS: list[dict[str, Any]] = [
+    {"max_new_tokens": 16, "sampling": {
+        "temperature": protocol.MAX_TEMPERATURE, "dry_multiplier": protocol.MAX_DRY_MULTIPLIER,
+        "dry_base": protocol.MAX_DRY_BASE, "dry_allowed_length": 1,
+        "repetition_penalty": protocol.MAX_REPETITION_PENALTY, "frequency_penalty": protocol.MAX_ABS_PENALTY,
+        "presence_penalty": -protocol.MAX_ABS_PENALTY, "smoothing_factor": protocol.MAX_SMOOTHING_FACTOR}},
+    {"max_new_tokens": 16, "sampling": {"temperature": protocol.MIN_SAMPLED_TEMPERATURE, "mirostat": True,
+                                        "mirostat_tau": protocol.MAX_MIROSTAT_TAU,
+                                        "mirostat_eta": protocol.MAX_MIROSTAT_ETA,
+                                        "token_bias": {str(t): protocol.MAX_TOKEN_BIAS_VALUE for t in range(8)}}},
+    {"max_new_tokens": 64, "ignore_eos": True, "logprobs": True, "top_logprobs": protocol.MAX_TOP_LOGPROBS},
+    {"max_new_tokens": 32, "ignore_eos": True, "n": protocol.MAX_N, "sampling": {"temperature": 1.0}},
+    {"max_new_tokens": 8, "constraint": {"type": "regex", "pattern": "(a{40}){40}"}},
+    {"max_new_tokens": 8, "constraint": {"type": "json_schema", "json_schema": _wide_schema(1000)}},
+    {"max_new_tokens": 8, "constraint": {"type": "grammar", "syntax": "gbnf", "grammar": _chain_grammar(400)}},
+]
+"""Valid requests that are heavy on the sampler, the result size or constraint compilation;
+each is checked valid against the protocol by tests/test_chaos.py."""
+
+
 def poison_message(i: int) -> tuple[Any, dict[str, Any]]:
     """Issue 17's two poison messages, alternately: a body that is an object, a message without an id."""
     if i % 2 == 0:
@@ -84,6 +126,7 @@ class Chaos:
         self.workers: list[WorkerProcess] = []
         self.figures = ChaosFigures(tasks=plan.tasks)
         self.ids = [f"chaos-{i}" for i in range(plan.tasks)]
+        self.hostile_ids: list[str] = []
         self._started = 0
 
     def start_worker(self) -> WorkerProcess:
@@ -120,7 +163,7 @@ class Chaos:
             while schedule and done >= schedule[0][0]:
                 _, action = schedule.pop(0)
                 action()
-            if done == self.plan.tasks and not schedule:
+            if done == len(self.ids) + len(self.hostile_ids) and not schedule:
                 break
             self._check_workers()
             self._watch(watchdog)
@@ -139,15 +182,25 @@ class Chaos:
         raw = RawPublisher(self.redis.url)
         try:
             for i, identifier in enumerate(self.ids):
-                kwargs = {"prompt": f"chaos {i}", "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True,
-                          "identifier": identifier}
+                kwargs = well_formed(i, identifier)
                 client.send_task(TASK_NAME, kwargs=kwargs, task_id=identifier, queue=QUEUE)
                 watchdog.track(identifier, kwargs, QUEUE)
+                if self.plan.hostile_every and i % self.plan.hostile_every == self.plan.hostile_every - 1:
+                    self._send_hostile(client, watchdog)
                 if self.plan.poison_every and i % self.plan.poison_every == 0:
                     raw.publish(QUEUE, *poison_message(self.figures.poison_messages))
                     self.figures.poison_messages += 1
         finally:
             raw.close()
+
+    def _send_hostile(self, client: Celery, watchdog: Watchdog) -> None:
+        n = len(self.hostile_ids)
+        identifier = f"hostile-{n}"
+        kwargs = {**HOSTILE_REQUESTS[n % len(HOSTILE_REQUESTS)], "prompt": f"hostile {n}", "identifier": identifier}
+        client.send_task(TASK_NAME, kwargs=kwargs, task_id=identifier, queue=QUEUE)
+        watchdog.track(identifier, kwargs, QUEUE)
+        self.hostile_ids.append(identifier)
+        self.figures.hostile_requests += 1
 
     def _schedule(self) -> list[tuple[int, Callable[[], None]]]:
         """Faults at fixed fractions of the tasks finished, spread over the run."""
@@ -188,23 +241,29 @@ class Chaos:
         """Tasks with a final result stored (STARTED is stored too: task_track_started)."""
         try:
             client = redis.Redis.from_url(self.redis.url, socket_timeout=5)
-            metas = client.mget([f"celery-task-meta-{identifier}" for identifier in self.ids])
+            metas = client.mget([f"celery-task-meta-{identifier}" for identifier in self.ids + self.hostile_ids])
         except redis.RedisError:
             return 0
         return sum(meta is not None and json.loads(meta)["status"] in states.READY_STATES for meta in metas)
 
     def _score(self) -> None:
         client = redis.Redis.from_url(self.redis.url)
-        metas = client.mget([f"celery-task-meta-{identifier}" for identifier in self.ids])
-        for identifier, meta in zip(self.ids, metas, strict=True):
+        requests = [well_formed(i, identifier) for i, identifier in enumerate(self.ids)]
+        expected = reference_completions(self.model, requests)
+        ids = self.ids + self.hostile_ids
+        metas = client.mget([f"celery-task-meta-{identifier}" for identifier in ids])
+        for identifier, meta in zip(ids, metas, strict=True):
             events = replay(client, identifier) if client.exists(stream_key(identifier)) else []
             finals = [e for e in events if e.is_terminal]
             result = json.loads(meta) if meta is not None else {"status": "PENDING"}
             if result["status"] not in states.READY_STATES:
                 self.figures.lost.append(identifier)
                 continue
-            if result["status"] != "SUCCESS" or result["result"]["usage"]["completion_tokens"] != MAX_NEW_TOKENS:
+            if identifier in expected and (
+                    result["status"] != "SUCCESS" or result["result"]["usage"]["completion_tokens"] != MAX_NEW_TOKENS
+                    or result["result"]["token_ids"] != expected[identifier]):
                 self.figures.wrong_results.append(identifier)
+                log.warning("chaos: %s ended %s: %s", identifier, result["status"], result["result"])
             if len(finals) > 1:
                 self.figures.duplicated_final_results.append(identifier)
                 log.warning("chaos: %s has %d final events: %s", identifier, len(finals),
@@ -212,6 +271,20 @@ class Chaos:
             if not _ends_in_one_final(events):
                 self.figures.bad_streams.append(identifier)
             self.figures.redelivered += any(e.attempt > 1 for e in events)
+
+
+def well_formed(i: int, identifier: str) -> dict[str, Any]:
+    return {"prompt": f"chaos {i}", "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "identifier": identifier}
+
+
+def reference_completions(model: Path, requests: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Each well-formed request's greedy tokens from the engine in this process, as the worker builds its job."""
+    generator = Generator.from_pretrained(model, cache_tokens=4096, page_size=16)
+    jobs = [build_job(GenerationRequest.parse_payload(r), generator.tokenizer, r["identifier"],
+                         generator.model.config.vocab_size)
+            for r in requests]
+    finals = run_jobs(generator, jobs)
+    return {identifier: output.completion_ids or [] for identifier, output in finals.items()}
 
 
 def _ends_in_one_final(events: list[StreamEvent]) -> bool:
@@ -231,10 +304,12 @@ def main() -> int:
     parser.add_argument("--worker-kills", type=int, default=ChaosPlan.worker_kills)
     parser.add_argument("--redis-crashes", type=int, default=ChaosPlan.redis_crashes, help="kill -9 and restart")
     parser.add_argument("--redis-restarts", type=int, default=ChaosPlan.redis_restarts, help="graceful restarts")
+    parser.add_argument("--hostile-every", type=int, default=ChaosPlan.hostile_every,
+                        help="one hostile-but-valid request after every N tasks (0 = none)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     plan = ChaosPlan(tasks=args.tasks, worker_kills=args.worker_kills, redis_crashes=args.redis_crashes,
-                     redis_restarts=args.redis_restarts)
+                     redis_restarts=args.redis_restarts, hostile_every=args.hostile_every)
     figures = run_chaos(args.model, args.workdir, plan)
     print(json.dumps(figures.summary(), indent=2))
     return 0

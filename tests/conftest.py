@@ -14,7 +14,7 @@ import redis
 import torch
 from celery import Celery
 
-from engine.tiny_model import PRESETS, SPECIAL_TOKENS, make_tiny_model, write_tokenizer_files
+from genq_dev.tiny_model import PRESETS, SPECIAL_TOKENS, make_tiny_model, write_tokenizer_files
 from tests.service import plain_client
 from worker.processes import RedisServer
 
@@ -84,7 +84,7 @@ def llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The real model (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched once into GENQ_MODELS_DIR or .models/."""
-    from engine.real_model import fetch_smollm2
+    from genq_dev.demo_model import fetch_smollm2
 
     return fetch_smollm2()
 

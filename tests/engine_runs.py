@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine import EngineOutput, Generator, Job, Stage
 
 
@@ -30,3 +32,15 @@ def greedy_completions(generator: Generator, prompts: list[list[int]], max_new_t
             if result.eos:
                 completions[result.identifier] = result.completion_ids or []
     return [completions[i] for i in range(len(prompts))]
+
+
+def run(generator: Generator, jobs: list[Job]) -> dict[Any, EngineOutput]:
+    """Enqueue the jobs, iterate until every job is done; each job's final result by identifier."""
+    for job in jobs:
+        generator.enqueue(job)
+    finals: dict[Any, EngineOutput] = {}
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result.eos:
+                finals[result.identifier] = result
+    return finals

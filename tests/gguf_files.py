@@ -1,6 +1,6 @@
 """Write small GGUF files for the tests, the way llama.cpp's converter lays them out.
 
-From a tiny HF model directory (engine.tiny_model) this writes the metadata
+From a tiny HF model directory (genq_dev.tiny_model) this writes the metadata
 llama.cpp uses, the byte-level BPE vocabulary of its tokenizer.json, and the
 weights under llama.cpp's names, with Q/K rows interleaved for the llama
 architecture. Each tensor is stored in the ggml type `types(name)` picks:

@@ -2,6 +2,8 @@
 per group with TRITON_INTERPRET=1 set before triton is imported.
 
     TRITON_INTERPRET=1 python tests/kernel_checks.py GROUP
+    GENQ_KERNEL_CHECK_DEVICE=cuda python tests/kernel_checks.py GROUP   # compiled, on a GPU
+                                                        (bench/gpu_acceptance.py runs it so)
 
 Each check compares a Triton kernel with its torch reference (kernels/reference.py)
 and raises AssertionError with the worst error; prints one line per case.
@@ -12,11 +14,14 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = os.environ.get("GENQ_KERNEL_CHECK_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+torch.set_default_device(DEVICE)  # the checks' tensors, made with generators on DEVICE
 
 from kernels import kv_cache_format  # noqa: E402
 from kernels import reference as ref  # noqa: E402
@@ -35,7 +40,7 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) 
 
 
 def check_rms_norm() -> None:
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     for dtype in DTYPES:
         for shape in ((5, 64), (3, 4, 64), (2, 48)):  # 48: a non-power-of-two width
             x = torch.randn(shape, generator=g).to(dtype)
@@ -64,7 +69,7 @@ def check_rms_norm() -> None:
 
 
 def check_silu_and_mul() -> None:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(DEVICE).manual_seed(1)
     for dtype in DTYPES:
         for shape in ((4, 2 * 96), (2, 3, 2 * 64), (1, 2 * 1500)):  # 1500 > one 1024-wide block
             x = (2 * torch.randn(shape, generator=g)).to(dtype)
@@ -72,7 +77,7 @@ def check_silu_and_mul() -> None:
 
 
 def check_gelu_tanh_and_mul() -> None:
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator(DEVICE).manual_seed(4)
     for dtype in DTYPES:
         for shape in ((4, 2 * 96), (2, 3, 2 * 64), (1, 2 * 1500)):
             x = (3 * torch.randn(shape, generator=g)).to(dtype)
@@ -80,7 +85,7 @@ def check_gelu_tanh_and_mul() -> None:
 
 
 def check_apply_rope() -> None:
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator(DEVICE).manual_seed(2)
     for dtype in DTYPES:
         # the last two rotate part of each head only (partial rotary: 48 of 64, 24 of 32 dims)
         for tokens, hq, hkv, d, rotary in ((5, 4, 1, 64, 64), (3, 8, 8, 128, 128), (2, 6, 2, 32, 32), (4, 4, 2, 64, 48),
@@ -102,7 +107,7 @@ def check_apply_rope() -> None:
 
 
 def check_write_kv() -> None:
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(DEVICE).manual_seed(3)
     for dtype in DTYPES:
         hkv, pages, page_size, d = 2, 5, 4, 64
         tokens = 7
@@ -137,7 +142,7 @@ def _attention_case(
     softcap: float | None = None,
     **tiling: int,
 ) -> None:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     batch = len(q_lens)
     max_pages = max(-(-c // page_size) for c in ctx_lens) + 1  # one padding column
     num_pages = batch * max_pages + 3
@@ -150,7 +155,7 @@ def _attention_case(
     ctx = torch.tensor(ctx_lens, dtype=torch.int32)
     scale = d**-0.5
     want = ref.paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, softcap)
-    got = tk._paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, softcap, **tiling)
+    got = tk.paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, softcap, **tiling)
     close(
         f"paged_attention q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} page={page_size} "
         f"window={window} softcap={softcap} {tiling} {dtype}",
@@ -236,7 +241,7 @@ def check_fp8_codec() -> None:
     grid = patterns.view(torch.float8_e4m3fn).float()
     grid = grid[~grid.isnan()].unique()  # sorted, -448 .. 448
     mids = (grid[1:] + grid[:-1]) / 2
-    g = torch.Generator().manual_seed(30)
+    g = torch.Generator(DEVICE).manual_seed(30)
     rand = torch.cat((torch.randn(2000, generator=g) * 30, torch.randn(500, generator=g) * 0.01))
     x = torch.cat((grid, mids, rand.clamp(-448, 448), torch.tensor([0.0, -0.0, 448.0, -448.0, 2**-10, -(2**-10)])))
     bits = torch.empty(x.shape, dtype=torch.uint8)
@@ -258,7 +263,7 @@ def check_kv_quant_write() -> None:
     every format, K and V in different formats, and activation dtypes; only the
     targeted slots change; a negative (padding) slot writes nothing; strided K/V
     and int32 slots."""
-    g = torch.Generator().manual_seed(31)
+    g = torch.Generator(DEVICE).manual_seed(31)
     configs = ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 96))
     for k_name, v_name in KV_PAIRS:
         mixed = k_name != v_name
@@ -304,7 +309,7 @@ def _quant_attention_case(
     softcap: float | None = None,
     **tiling: int,
 ) -> None:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     batch = len(q_lens)
     max_pages = max(-(-c // page_size) for c in ctx_lens) + 1
     num_pages = batch * max_pages + 3
@@ -322,7 +327,7 @@ def _quant_attention_case(
     ctx = torch.tensor(ctx_lens, dtype=torch.int32)
     args = (q, k_cache, v_cache, page_table, cu, ctx, d**-0.5, window, softcap, k_scales, v_scales)
     want = ref.paged_attention(*args)
-    got = tk._paged_attention(*args, **tiling)
+    got = tk.paged_attention(*args, **tiling)
     close(
         f"paged_attention K {kv_names[0]} V {kv_names[1]} q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} "
         f"page={page_size} window={window} softcap={softcap} {tiling} {dtype}",
@@ -351,7 +356,7 @@ def check_kv_quant_attention() -> None:
     # the public functions with the Triton path forced hand the scales to the kernels
     import kernels
 
-    g = torch.Generator().manual_seed(70)
+    g = torch.Generator(DEVICE).manual_seed(70)
     k, v, q = (torch.randn(8, 1, 32, generator=g) for _ in range(3))
     (kc, ks), (vc, vs) = (_quantized_cache(name, 1, 2, 4, 32, g) for name in ("q8", "q4"))  # k8v4
     caches = [t.clone() for t in (kc, vc, ks, vs)]
@@ -406,7 +411,7 @@ def check_engine() -> None:
     import tempfile
     from pathlib import Path
 
-    from engine.tiny_model import make_tiny_model
+    from genq_dev.tiny_model import make_tiny_model
     from tests.conftest import make_hf_model
     from tests.test_engine_vs_transformers import VARIANTS
 

@@ -1,8 +1,10 @@
 """Chaos: short tasks through real workers while workers are SIGKILLed, Redis
 is killed -9 (append-only file on) and restarted gracefully, and poison
-messages are interleaved. Nothing may be lost or finish twice (issue 14,
-issue 17). The default run is a small one; `make chaos` runs 1,000 tasks, once
-with one Redis fault of each kind and once with eight of each."""
+messages are interleaved, and hostile-but-valid requests mixed in. Nothing
+may be lost or finish twice, and every well-formed task gets its prompt's
+text (issue 14, issue 17, issue 23). The default run is a small one; `make
+chaos` runs 1,000 tasks: once with one Redis fault of each kind, once with
+eight of each, and once with 5% hostile requests."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import ChaosFigures, ChaosPlan, run_chaos
+from producer.protocol import GenerationRequest
+from tests.chaos import HOSTILE_REQUESTS, ChaosFigures, ChaosPlan, run_chaos
 
 
 def check(figures: ChaosFigures) -> None:
@@ -23,12 +26,21 @@ def check(figures: ChaosFigures) -> None:
     assert figures.worker_kills and figures.redis_crashes and figures.redis_restarts and figures.poison_messages
 
 
+@pytest.mark.parametrize("kwargs", HOSTILE_REQUESTS, ids=range(len(HOSTILE_REQUESTS)))
+def test_the_hostile_requests_are_valid(kwargs: dict):
+    """Hostile but valid: the protocol accepts each, so only the service's isolation stands in their way."""
+    GenerationRequest.parse_payload({**kwargs, "prompt": "x"})
+
+
 @pytest.mark.slow
 def test_small_chaos_run_loses_nothing_and_finishes_nothing_twice(tiny_model_factory: Callable[..., Path],
                                                                  tmp_path: Path):
     model = tiny_model_factory("llama", max_position_embeddings=1024)
-    plan = ChaosPlan(tasks=150, worker_kills=1, visibility_timeout_s=20, watchdog_after_s=30, timeout_s=300)
-    check(run_chaos(model, tmp_path, plan))
+    plan = ChaosPlan(tasks=150, worker_kills=1, visibility_timeout_s=20, watchdog_after_s=30, timeout_s=300,
+                     hostile_every=20)
+    figures = run_chaos(model, tmp_path, plan)
+    check(figures)
+    assert figures.hostile_requests == 7
 
 
 @pytest.mark.chaos
@@ -42,3 +54,12 @@ def test_chaos_run_through_repeated_redis_restarts(tiny_model_factory: Callable[
     """Issue 17's reproductions restarted Redis eight times each way; so does this run."""
     model = tiny_model_factory("llama", max_position_embeddings=1024)
     check(run_chaos(model, tmp_path, ChaosPlan(redis_crashes=8, redis_restarts=8)))
+
+
+@pytest.mark.chaos
+def test_chaos_run_with_five_percent_hostile_requests(tiny_model_factory: Callable[..., Path], tmp_path: Path):
+    """Issue 23: the 1,000-task run with one hostile-but-valid request per 20 well-formed ones."""
+    model = tiny_model_factory("llama", max_position_embeddings=1024)
+    figures = run_chaos(model, tmp_path, ChaosPlan(hostile_every=20))
+    check(figures)
+    assert figures.hostile_requests == 50

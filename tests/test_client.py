@@ -22,7 +22,7 @@ from producer.client import (
     TextAssembler,
     _Follower,
 )
-from producer.protocol import STREAM_FIELD, ProtocolError, StreamEvent, channel_name, stream_key
+from producer.protocol import STREAM_FIELD, Choice, ProtocolError, StreamEvent, channel_name, stream_key
 from tests.service import chunk_text, plain_client
 from worker.processes import WorkerProcess, wait_until
 
@@ -289,6 +289,20 @@ def test_a_redelivered_attempt_with_another_text_restarts_the_stream():
 def test_a_request_without_chunks_gets_its_text_from_the_final_event():
     text = TextAssembler("r")
     assert text.feed(event(1, 0, "started")) == "" and text.feed(event(1, 1, "done", "all at once")) == "all at once"
+
+
+def test_an_assembler_follows_one_sample_of_an_n_request_redelivery_included():
+    def chunk(attempt: int, seq: int, index: int, text: str) -> StreamEvent:
+        return StreamEvent(id="r", attempt=attempt, seq=seq, event="chunk", text=text, index=index)
+
+    final = StreamEvent(id="r", attempt=2, seq=3, event="done", text="Once", finish_reason="stop", choices=[
+        Choice(index=0, text="Once", finish_reason="stop"), Choice(index=1, text="Twice more", finish_reason="length")])
+    first, second = TextAssembler("r", 0), TextAssembler("r", 1)
+    events = [chunk(1, 1, 0, "On"), chunk(1, 2, 1, "Twi"), chunk(2, 1, 1, "Twice"), chunk(2, 2, 0, "Once"), final]
+    assert [first.feed(e) for e in events] == ["On", "", "", "ce", ""]
+    assert [second.feed(e) for e in events] == ["", "Twi", "ce", "", " more"]
+    cancelled_early = StreamEvent(id="r", attempt=1, seq=1, event="cancelled", finish_reason="cancelled")
+    assert TextAssembler("r", 1).feed(cancelled_early) == ""
 
 
 def test_the_client_is_configured_from_the_environment(monkeypatch: pytest.MonkeyPatch):

@@ -13,19 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from engine import Embedding, Generator, Job, JobRejected
 from tests.conftest import FAMILIES
+from tests.engine_runs import run
 
 PAGE_SIZE = 8
 
 
-def run(generator: Generator, jobs: list[Job]) -> dict:
-    for job in jobs:
-        generator.enqueue(job)
-    finals = {}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result["eos"]:
-                finals[result["identifier"]] = result
-    return finals
 
 
 def hf_greedy_with_embeddings(model, ids: list[int], embedding: Embedding, steps: int) -> list[int]:

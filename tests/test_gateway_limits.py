@@ -26,6 +26,7 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from engine import Tokenizer
+from producer.bounded_json import MAX_JSON_DEPTH, JsonLimitError, loads_bounded
 from producer.gateway import GatewaySettings, create_app
 from producer.gateway.model_limits import CardReader, PromptTokenizer
 from producer.model_card import CARD_TTL_S, WorkerCard, card_key, tokenizer_key
@@ -174,9 +175,8 @@ def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field(
         (COMPLETIONS, {"logit_bias": {str(outside): 5}}, "logit_bias"),
         (COMPLETIONS, {"prompt": [1, outside]}, "prompt"),
     ):
-        body = {"model": MODEL, "stream": True, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
-                **extra}
-        error = error_of(client.post(path, headers=bearer(), json=body))
+        text = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+        error = error_of(client.post(path, headers=bearer(), json={"model": MODEL, "stream": True, **text, **extra}))
         assert error["code"] == "invalid_request" and error["param"] == field, error
         assert error["message"] == (f"{field}: token id {outside} is outside the model's vocabulary "
                                     f"[0, {card.vocab_size})")
@@ -249,20 +249,127 @@ def test_at_the_limit_the_worker_decides_and_its_count_is_the_gateways(gateway: 
         assert error_of(response)["code"] == "context_length_exceeded"
 
 
-def test_a_conversation_the_template_pushes_over_the_limit_fails_inside_the_stream(
+def test_a_conversation_the_template_pushes_over_the_limit_is_refused_with_its_exact_count(
         gateway: str, tokenizer: Tokenizer, card: WorkerCard):
-    """What remains unchecked at the gateway: it counts the messages' text, not the template."""
+    """The card carries the chat template: the gateway renders the chat as the worker does and
+    counts it exactly, template included (its contents alone would fit)."""
     messages = [{"role": "user", "content": words(100)}]
     bound = PromptTokenizer(tokenizer.backend, card.add_bos, card.bos_correction).content_tokens_lower_bound(
         [m["content"] for m in messages])
-    room = MAX_SEQ_LEN - bound
-    assert len(tokenizer.encode_chat(messages)) > bound and room > 0
+    exact = len(tokenizer.encode_chat(messages))
+    room = MAX_SEQ_LEN - exact
+    assert exact > bound and room > 0
     refused = httpx.post(f"{gateway}{CHAT}", headers=bearer(), timeout=30, json={
         "model": MODEL, "messages": messages, "max_tokens": room + 1, "stream": True})
-    assert error_of(refused)["code"] == "context_length_exceeded"
+    error = error_of(refused)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert f"needs {MAX_SEQ_LEN + 1}: {exact} in the messages and {room + 1} for the completion" in error["message"]
     with httpx.stream("POST", f"{gateway}{CHAT}", headers=bearer(), timeout=60, json={
             "model": MODEL, "messages": messages, "max_tokens": room, "stream": True}) as response:
         assert response.status_code == 200
-        errors = [json.loads(m.data)["error"] for m in read_sse(response) if m.data.startswith('{"error"')]
-    assert len(errors) == 1 and errors[0]["code"] == "generation_failed"
-    assert f"exceeds the model's max_seq_len={MAX_SEQ_LEN}" in errors[0]["message"]
+        assert not [m for m in read_sse(response) if m.data.startswith('{"error"')]
+
+
+# --- the protocol's numeric bounds -------------------------------------------------------------
+
+
+def test_a_sampling_value_past_the_protocol_s_bound_is_a_400_naming_the_param(redis_url: str,
+                                                                             redis_client: redis.Redis):
+    """Issue 23: dry_base 1e308 was queued and overflowed in the engine."""
+    queue = f"genq-limits-bounds-{uuid.uuid4().hex[:8]}"
+    with in_process_gateway(redis_url, queue) as client:
+        for path, body in ((COMPLETIONS, {"prompt": "hi"}), (CHAT, {"messages": [{"role": "user", "content": "hi"}]})):
+            for param, value, limit in (
+                    ("dry_base", 1e308, "less than or equal to 8"),
+                    ("penalty_range", 2**31, "less than or equal to 2147483647"),
+                    ("mirostat_eta", 2, "less than or equal to 1"),
+                    ("logit_bias[5]", {"5": 1e308}, "less than or equal to 100")):
+                name = param.split("[")[0]
+                error = error_of(client.post(path, headers=bearer(), json={"model": MODEL, "stream": True,
+                                                                            name: value, **body}))
+                assert error["param"] == param and error["message"].startswith(f"{param}: "), error
+                assert limit in error["message"], error
+        webhook = client.post("/v1/tasks", headers=bearer(), json={"prompt": "hi", "sampling": {"dry_base": 1e308}})
+        assert webhook.status_code == 422 and webhook.json()["error"]["param"] == "sampling.dry_base"
+    assert redis_client.llen(queue) == 0
+
+
+def test_a_refusal_names_the_parameter_the_caller_sent(redis_url: str):
+    """Issue 25, item 5: `param` and the message name max_tokens / max_completion_tokens /
+    temperature / response_format as sent, never the protocol's max_new_tokens or sampling.*."""
+    queue = f"genq-limits-names-{uuid.uuid4().hex[:8]}"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with in_process_gateway(redis_url, queue) as client:
+        for path, body, param in (
+                (CHAT, {**chat, "max_completion_tokens": 0}, "max_completion_tokens"),
+                (CHAT, {**chat, "max_tokens": 0}, "max_tokens"),
+                (CHAT, {**chat, "temperature": 5}, "temperature"),
+                (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+                (CHAT, {**chat, "response_format": bad_schema}, "response_format"),
+                (CHAT, {**chat, "guided_regex": "(unclosed"}, "guided_regex"),
+                (COMPLETIONS, {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "("}},
+                 "structured_outputs")):
+            error = error_of(client.post(path, headers=bearer(), json=body))
+            assert error["param"] == param, error
+            assert "max_new_tokens" not in error["message"] and "sampling." not in error["message"], error
+
+
+def test_json_inside_a_string_nested_too_deep_or_with_a_huge_number_is_a_400_naming_the_param(
+        redis_url: str, redis_client: redis.Redis):
+    """Issue 23 item 6: guided_json and dry_sequence_breakers strings nested 5,000 deep or holding a
+    5,000-digit number were 500s (RecursionError / ValueError inside json.loads)."""
+    queue = f"genq-limits-json-{uuid.uuid4().hex[:8]}"
+    deep, huge = "[" * 5000 + "]" * 5000, "[" + "9" * 5000 + "]"
+    with in_process_gateway(redis_url, queue) as client:
+        for param, value, problem in (("guided_json", '{"a": ' + deep + "}", "nested more than 64"),
+                                      ("guided_json", '{"maxLength": ' + "9" * 5000 + "}", "more than 100 characters"),
+                                      ("dry_sequence_breakers", deep, "nested more than 64"),
+                                      ("dry_sequence_breakers", huge, "more than 100 characters")):
+            response = client.post(CHAT, headers=bearer(), json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], param: value})
+            assert response.status_code == 400, response.text
+            error = error_of(response)
+            assert error["param"] == param and problem in error["message"], error
+    assert redis_client.llen(queue) == 0
+
+
+def test_bounded_json_parses_what_json_parses_within_the_limits():
+    text = json.dumps({"type": "object", "properties": {"n": {"maximum": 1e30, "enum": [1, "[{", -2.5]}}})
+    assert loads_bounded(text) == json.loads(text)
+    assert loads_bounded("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH) == json.loads("[" * 64 + "]" * 64)
+    with pytest.raises(JsonLimitError):
+        loads_bounded("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1))
+    assert loads_bounded('["' + "[" * 500 + '"]') == ["[" * 500]  # brackets inside strings do not nest
+
+
+def test_each_refusal_raises_the_openai_sdk_s_own_exception_class(idle_gateway: tuple[TestClient, str],
+                                                                  redis_url: str):
+    """Issue 24, item 5: refusals are OpenAI-shaped (error.type, code, param, message), so the
+    official SDK raises the class a caller catches for each case."""
+    client, _ = idle_gateway
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=TOKEN, http_client=client, max_retries=0)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases: list[tuple[type[openai.APIStatusError], Callable[[], object], str | None]] = [
+        (openai.BadRequestError, lambda: sdk.chat.completions.create(**chat, temperature=5), "temperature"),
+        (openai.BadRequestError, lambda: sdk.completions.create(model=MODEL, prompt="x", extra_body={"tmp": 1}),
+         "tmp"),
+        (openai.NotFoundError, lambda: sdk.chat.completions.create(**{**chat, "model": "no-such-model"}), "model"),
+        (openai.AuthenticationError, lambda: openai.OpenAI(
+            base_url="http://testserver/v1", api_key="wrong", http_client=client, max_retries=0).models.list(), None),
+    ]
+    for expected, call, param in cases:
+        with pytest.raises(openai.APIStatusError) as raised:
+            call()
+        assert type(raised.value) is expected, (expected, raised.value)
+        body = raised.value.body
+        assert isinstance(body, dict) and body["type"] and body["code"] and body["message"], body
+        assert body.get("param") == param, body
+    queue = f"genq-limits-sdk-{uuid.uuid4().hex[:8]}"
+    with in_process_gateway(redis_url, queue, max_queue_depth=0) as full:
+        redis.Redis.from_url(redis_url).rpush(queue, "waiting")
+        busy = openai.OpenAI(base_url="http://testserver/v1", api_key=TOKEN, http_client=full, max_retries=0)
+        with pytest.raises(openai.RateLimitError) as limited:
+            busy.chat.completions.create(**chat)
+        assert limited.value.response.headers["Retry-After"] and limited.value.code == "queue_full"
+    redis.Redis.from_url(redis_url).delete(queue)

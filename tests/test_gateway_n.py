@@ -1,14 +1,12 @@
 """OpenAI's `n` on the gateway, end to end (a real redis-server, a real `genq worker`, the
-gateway under uvicorn, the official openai client): an n > 1 request is n child requests
-`<id>-0` ... `<id>-<n-1>` (vLLM v1's parallel sampling), seeds seed + i, answered as one
-response with a choice per child, streamed or not."""
+gateway under uvicorn, the official openai client): an n > 1 request is one task with the
+protocol's `n` (the worker's parallel samples, seeds seed + i), answered as one response with a
+choice per sample, streamed or not."""
 
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -16,9 +14,7 @@ import openai
 import pytest
 from celery import Celery
 
-from producer.client import GenerationError, GenqClient
-from producer.gateway import sse
-from producer.gateway.app import _results
+from producer.client import GenqClient
 from producer.gateway.openai_api import MAX_N, CompletionUsage
 from producer.protocol import Usage
 from tests.gateway_service import MODEL, bearer
@@ -28,63 +24,18 @@ PROMPT = "Once upon a time"
 TOKENS = 8
 
 
-def test_usage_counts_the_shared_prompt_once():
+def test_usage_is_the_protocol_s_which_counts_the_shared_prompt_once():
     one = CompletionUsage.from_usage(Usage(prompt_tokens=40, completion_tokens=8, cached_tokens=32))
     assert (one.prompt_tokens, one.completion_tokens, one.prompt_tokens_details.cached_tokens) == (40, 8, 32)
-    # The first child computed the prompt, the second found all but its last page cached.
-    shared = CompletionUsage.from_usage([Usage(prompt_tokens=40, completion_tokens=8, cached_tokens=0),
-                                         Usage(prompt_tokens=40, completion_tokens=5, cached_tokens=32)])
-    assert (shared.prompt_tokens, shared.completion_tokens, shared.total_tokens) == (40, 13, 53)
-    assert shared.prompt_tokens_details.cached_tokens == 0  # 48 prompt tokens were computed
-    cached = CompletionUsage.from_usage([Usage(prompt_tokens=40, completion_tokens=8, cached_tokens=38)] * 3)
-    assert cached.prompt_tokens_details.cached_tokens == 34  # 2 computed by each child
+    assert one.total_tokens == 48
 
 
-def test_merged_keeps_each_source_s_order_and_ends_on_a_source_s_error():
-    async def source(items: list[Any], delay: float) -> AsyncIterator[Any]:
-        for item in items:
-            await asyncio.sleep(delay)
-            if isinstance(item, Exception):
-                raise item
-            yield item
-
-    async def merge(*sources: AsyncIterator[Any]) -> list[tuple[int, Any]]:
-        return [item async for item in sse.merged(list(sources))]
-
-    items = asyncio.run(merge(source(["a", "b", "c"], 0.01), source([1, 2], 0.015), source([], 0)))
-    assert [item for index, item in items if index == 0] == ["a", "b", "c"]
-    assert [item for index, item in items if index == 1] == [1, 2] and len(items) == 5
-    with pytest.raises(TimeoutError):
-        asyncio.run(merge(source(["a"] * 100, 0.01), source([TimeoutError()], 0.02)))
-
-
-def test_the_first_failed_child_fails_the_request_at_once():
-    cancelled: list[str] = []
-
-    class Handle:
-        def __init__(self, name: str, fails_after: float | None) -> None:
-            self.id, self.fails_after = name, fails_after
-
-        async def result(self, timeout: float) -> Any:
-            try:
-                if self.fails_after is None:
-                    await asyncio.sleep(timeout)
-                    raise AssertionError("waited for a sibling of a failed child")
-                await asyncio.sleep(self.fails_after)
-                raise GenerationError("no", self.id)
-            except asyncio.CancelledError:
-                cancelled.append(self.id)
-                raise
-
-    with pytest.raises(GenerationError) as failure:
-        asyncio.run(_results([Handle("x-0", None), Handle("x-1", 0.01), Handle("x-2", None)], 30))
-    assert failure.value.identifier == "x-1" and sorted(cancelled) == ["x-0", "x-2"]
-
-
-def test_n_seeded_choices_are_the_single_requests_with_seeds_seed_plus_i(oai: openai.OpenAI):
+def test_n_seeded_choices_are_the_single_requests_with_seeds_seed_plus_i(oai: openai.OpenAI, genq: GenqClient):
     reply = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, seed=5, n=3,
                                    extra_body={"ignore_eos": True})
     assert reply.id.startswith("cmpl-") and [c.index for c in reply.choices] == [0, 1, 2]
+    task = genq.handle(reply.id).result(timeout=30)  # one task holds every choice
+    assert task.choices is not None and [c.text for c in task.choices] == [c.text for c in reply.choices]
     singles = [oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, seed=5 + i,
                                       extra_body={"ignore_eos": True}) for i in range(3)]
     assert [c.text for c in reply.choices] == [s.choices[0].text for s in singles]
@@ -159,8 +110,8 @@ def test_n_out_of_range_is_a_400_naming_n(gateway: str, oai: openai.OpenAI, n: i
         oai.completions.create(model=MODEL, prompt="x", max_tokens=2, n=n)
 
 
-def test_closing_an_n_stream_cancels_every_child(oai: openai.OpenAI, genq: GenqClient, worker: WorkerProcess,
-                                                 celery_client: Celery):
+def test_closing_an_n_stream_cancels_the_task_of_every_choice(oai: openai.OpenAI, genq: GenqClient,
+                                                               worker: WorkerProcess, celery_client: Celery):
     stream = oai.completions.create(model=MODEL, prompt="A long story", max_tokens=900, temperature=0, n=2,
                                     stream=True, extra_body={"ignore_eos": True})
     seen: Counter[int] = Counter()
@@ -170,12 +121,14 @@ def test_closing_an_n_stream_cancels_every_child(oai: openai.OpenAI, genq: GenqC
         if min(seen[0], seen[1]) >= 2:
             break
     stream.close()
-    for i in (0, 1):
-        result = genq.handle(f"{chunk.id}-{i}").result(timeout=60)
-        assert result.finish_reason == "cancelled" and result.usage.completion_tokens < 900
+    result = genq.handle(chunk.id).result(timeout=60)  # the one task of both choices
+    assert result.finish_reason == "cancelled" and result.choices is not None
+    assert [c.index for c in result.choices] == [0, 1]
+    assert all(c.finish_reason == "cancelled" and len(c.token_ids or ()) < 900 for c in result.choices)
+    assert result.usage.completion_tokens < 2 * 900
 
     def engine_idle() -> bool:
         stats = worker.engine_stats(celery_client)
         return bool(stats) and stats["pages_used"] == 0 and stats["active_jobs"] == 0
 
-    wait_until(engine_idle, 30, "the engine to free the cancelled children's pages")
+    wait_until(engine_idle, 30, "the engine to free the cancelled samples' pages")

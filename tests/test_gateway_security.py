@@ -11,23 +11,28 @@ import hashlib
 import hmac
 import json
 import re
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
 from celery import Celery
+from fastapi.testclient import TestClient
 
-from producer.callback_targets import resolve_target
+from producer.callback_targets import CallbackUrlRefused, resolve_target
 from producer.callbacks import DELIVER_CALLBACK_TASK, CallbackRejected, CallbackSettings
 from producer.callbacks import create_app as create_callback_app
 from producer.client import GenqClient
+from producer.gateway import GatewaySettings, create_app
 from producer.gateway.errors import ErrorBody
 from producer.gateway.logs import REDACTED
 from producer.protocol import IDENTIFIER_PATTERN, TASK_NAME, GenerationResult, Timings, Usage, channel_name
 from tests.gateway_service import (
+    MODEL,
     QUEUE,
     SECRET,
     TOKEN,
@@ -39,7 +44,7 @@ from tests.gateway_service import (
     signed_post,
 )
 from tests.service import next_event
-from worker.processes import ROOT
+from worker.processes import ROOT, ChildProcess, free_port, wait_until
 
 IDLE_QUEUE = "genq-gateway-security-idle"
 IDLE_QUEUE_LIMIT = 50
@@ -164,6 +169,25 @@ def test_access_tokens_never_reach_the_access_log(gateway_process: GatewayProces
     assert len(lines) == 3
 
 
+def test_genq_gateway_says_where_it_listens_and_logs_requests_at_its_default_level(redis_url: str,
+                                                                                   tmp_path: Path):
+    """Issue 25, item 7: run as an operator runs it (no --log-level), the gateway is not silent."""
+    port = free_port()
+    env = {**service_env(redis_url), "GENQ_GATEWAY_TOKEN": TOKEN}
+    command = [sys.executable, "-m", "worker.cli", "gateway", "--port", str(port)]
+    with ChildProcess("gateway", command, tmp_path / "gateway.log", env) as gateway:
+        def answered() -> bool:
+            gateway.check_alive()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(answered, 30, "the gateway to answer /healthz")
+        wait_until(lambda: '"GET /healthz HTTP/1.1" 200' in gateway.log_path.read_text(), 10, "the access log line")
+        assert f"running on http://127.0.0.1:{port}" in gateway.log_path.read_text()
+
+
 # --- hostile bodies and headers --------------------------------------------------------------
 
 
@@ -250,6 +274,54 @@ def test_the_opt_out_allows_private_addresses_but_never_other_schemes(gateway: s
     for url in FOREIGN_SCHEMES:
         response, _, _ = signed_post(gateway, {"prompt": "x", "callback_url": url})
         assert error_of(response, 422)["param"] == "callback_url", url
+
+
+@pytest.fixture
+def trusting_gateway(redis_url: str, redis_client: redis.Redis) -> Iterator[tuple[TestClient, str]]:
+    """The gateway app in this process, allowing private callback hosts (so that only the rule
+    under test refuses), in front of a queue no worker consumes."""
+    queue = f"genq-security-trusting-{uuid.uuid4().hex[:8]}"
+    settings = GatewaySettings(token=TOKEN, webhook_secret=SECRET, redis_url=redis_url, queue=queue,
+                               model_name=MODEL, callback_allow_private_hosts=True)
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield client, queue
+    finally:
+        redis_client.delete(queue)
+
+
+@pytest.mark.parametrize("spliced", ["\r\n", "\n", "\r", "\t", "\x00", "\x7f"])
+def test_a_callback_url_with_a_control_character_is_refused_not_stripped(
+        trusting_gateway: tuple[TestClient, str], redis_client: redis.Redis, receiver: tuple[Receiver, str],
+        spliced: str):
+    client, queue = trusting_gateway
+    _, receiver_url = receiver
+    accepted = client.post("/v1/tasks", headers=bearer(), json={"prompt": "x", "callback_url": f"{receiver_url}/ok"})
+    assert accepted.status_code == 202, accepted.text  # the same URL without the character passes
+    for url in (f"{receiver_url}/do{spliced}ne", f"http://127.0.0{spliced}.1/", f"{receiver_url}/x{spliced}"):
+        error = error_of(client.post("/v1/tasks", headers=bearer(), json={"prompt": "x", "callback_url": url}), 422)
+        assert error["param"] == "callback_url" and "control character" in error["message"], (url, error)
+    assert redis_client.llen(queue) == 1
+    with pytest.raises(CallbackUrlRefused, match="control character"):  # and again at delivery
+        resolve_target(f"{receiver_url}/do{spliced}ne", allow_private=True)
+
+
+def test_a_constraint_with_banned_strings_or_token_healing_is_refused_naming_both(
+        trusting_gateway: tuple[TestClient, str], redis_client: redis.Redis):
+    client, queue = trusting_gateway
+    regex = {"type": "regex", "pattern": "[a-z]+"}
+    for extra, other in (({"banned_strings": ["no"]}, "banned_strings"), ({"token_healing": True}, "token_healing")):
+        error = error_of(client.post("/v1/tasks", headers=bearer(), json={"prompt": "x", "constraint": regex,
+                                                                          **extra}), 422)
+        assert error["param"] == f"constraint|{other}" and f"constraint and {other}" in error["message"], error
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            error = error_of(client.post(path, headers=bearer(), json={"model": MODEL, "guided_regex": "[a-z]+",
+                                                                       **body, **extra}), 400)
+            # Named as the caller sent them (issue 25, item 5).
+            assert error["param"] == f"guided_regex|{other}", error
+            assert f"guided_regex and {other}" in error["message"], error
+    assert redis_client.llen(queue) == 0
 
 
 def test_public_addresses_pass_the_default_policy_and_names_stay_in_host_and_sni():

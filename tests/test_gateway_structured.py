@@ -15,10 +15,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import BaseModel, Field
 
 from engine import Tokenizer
-from tests.gateway_service import MODEL, bearer
+from producer.gateway import openai_api
+from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, service_env
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
                                            "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -118,3 +121,69 @@ def test_allowed_token_ids_restrict_the_completion(oai: openai.OpenAI, model_dir
                                    logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
     tokens = reply.choices[0].logprobs.tokens
     assert len(tokens) == 10 and set(tokens) <= texts
+
+
+def test_schema_bearing_json_object_and_vllm_structured_outputs_are_honoured(oai: openai.OpenAI):
+    """llama.cpp's / Together's {"type": "json_object", "schema": ...} keeps its schema; vLLM's
+    current structured_outputs object works as its older guided_* fields do (issue 25, item 4)."""
+    reply = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=60, temperature=1.0, seed=4,
+                                        response_format={"type": "json_object", "schema": SCHEMA})  # type: ignore
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    chat = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=60, temperature=1.0, seed=5,
+                                       extra_body={"structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    regex = oai.completions.create(model=MODEL, prompt="Code:", max_tokens=20,
+                                   extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    choice = oai.completions.create(model=MODEL, prompt="Sentiment:", max_tokens=10,
+                                    extra_body={"structured_outputs": {"choice": ["positive", "negative"]}})
+    assert choice.choices[0].text in ("positive", "negative")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_an_unknown_parameter_is_a_400_naming_it(oai: openai.OpenAI, endpoint: str):
+    """A misspelt max_tokens must not fall back to the default silently (issue 25, item 4)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        if endpoint == "chat":
+            oai.chat.completions.create(model=MODEL, messages=QUESTION, extra_body={"max_token": 5, "tmperature": 0})
+        else:
+            oai.completions.create(model=MODEL, prompt="Hi", extra_body={"max_token": 5})
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "unknown_parameter" and error["param"] == "max_token"
+    assert "'max_token'" in error["message"]
+
+
+def test_openai_parameters_genq_cannot_honour_are_refused_and_harmless_ones_ignored(oai: openai.OpenAI):
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, user="u-1", store=False, metadata={"team": "a"},
+        service_tier="auto", prompt_cache_key="k", safety_identifier="s", reasoning_effort="low",
+        modalities=["text"], prediction={"type": "content", "content": "Yes"})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    for params, param in (({"audio": {"voice": "alloy", "format": "mp3"}, "modalities": ["text", "audio"]}, "audio"),
+                          ({"modalities": ["text", "audio"]}, "modalities"),
+                          ({"web_search_options": {}}, "web_search_options")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, **params)
+        assert isinstance(refused.value.body, dict) and refused.value.body["param"] == param
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_every_parameter_of_the_openai_sdk_is_declared(endpoint: str):
+    """Each parameter the installed SDK can send is supported, ignored for a stated reason or
+    refused by name: none reaches the unknown-parameter refusal."""
+    params = (chat_create_params if endpoint == "chat" else completion_create_params).CompletionCreateParamsBase
+    request = openai_api.ChatCompletionRequest if endpoint == "chat" else openai_api.CompletionRequest
+    declared = set(request.model_fields) | openai_api.IGNORED_PARAMS.keys() | openai_api.REFUSED_PARAMS.keys()
+    assert set(params.__annotations__) - declared - {"modalities"} == set()
+
+
+def test_the_ignore_unknown_params_setting_lets_vendor_extras_through(worker: object, redis_url: str,
+                                                                      tmp_path: Path):
+    env = {**service_env(redis_url), "GENQ_GATEWAY_TOKEN": TOKEN, "GENQ_GATEWAY_MODEL_NAME": MODEL,
+           "GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS": "true"}
+    with GatewayProcess(env, tmp_path / "gateway.log") as lenient:
+        client = openai.OpenAI(base_url=f"{lenient.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3,
+                                               extra_body={"vendor_extra": {"x": 1}})
+        assert reply.choices[0].message.content is not None
+        assert "ignoring unknown parameters: vendor_extra" in lenient.log()

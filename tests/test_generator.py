@@ -152,7 +152,8 @@ def test_waiting_job_is_overtaken_at_most_max_skips_times(llama_dir: Path):
 
 def test_jobs_that_can_never_run_are_rejected_at_enqueue(llama_dir: Path):
     generator = make_generator(llama_dir, cache_tokens=8 * PAGE_SIZE)
-    with pytest.raises(JobRejected, match=r"= 70 exceeds max_seq_len=64 \(the whole KV cache: 8 pages x 8 tokens\)"):
+    with pytest.raises(JobRejected,
+                       match=r"= 70 exceeds the model's max_seq_len=64 \(the whole KV cache: 8 pages x 8 tokens\)"):
         generator.enqueue(Job([5] * 60, 10))
     with pytest.raises(JobRejected, match="max_seq_len"):
         make_generator(llama_dir, max_seq_len=32).enqueue(Job([5] * 30, 10))

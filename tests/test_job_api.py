@@ -34,7 +34,7 @@ def test_enqueue_takes_a_list_whole_or_not_at_all(llama_dir: Path):
     generator = Generator.from_pretrained(llama_dir, cache_tokens=1024, page_size=8, max_pending=8)
     serials = generator.enqueue([Job([5, 6, 7], 3, identifier=i) for i in range(3)])
     assert serials == [0, 1, 2] and generator.num_pending_jobs() == 3
-    with pytest.raises(JobRejected, match="exceeds max_seq_len"):
+    with pytest.raises(JobRejected, match="exceeds the model's max_seq_len"):
         generator.enqueue([Job([5], 2, identifier="ok"), Job([5] * 2000, 2, identifier="too long")])
     with pytest.raises(QueueFull, match="max_pending=8"):
         generator.enqueue([Job([5], 2) for _ in range(6)])

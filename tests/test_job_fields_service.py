@@ -69,13 +69,13 @@ def test_every_wire_job_field_reaches_the_engine_job(model_dir: Path) -> None:
     tokenizer = Tokenizer.from_pretrained(model_dir)
     fields = {"max_new_tokens": 9, "min_new_tokens": 2, "decode_special_tokens": True, "priority": 3,
               "max_skips": 5, "logprobs": True, "top_logprobs": 4, "banned_strings": ["As an AI"],
-              "token_healing": True}
+              "token_healing": True, "prompt_logprobs": 3}
     request = GenerationRequest.parse_payload({"prompt": "the cat", **fields})
-    job = build_job(request, tokenizer, "id", tokenizer.vocab_size, 1024)
+    job = build_job(request, tokenizer, "id", tokenizer.vocab_size)
     for name, value in fields.items():
         assert getattr(job, name) == (tuple(value) if isinstance(value, list) else value), name
-    assert build_job(GenerationRequest.parse_payload({"prompt": "x"}), tokenizer, "id", tokenizer.vocab_size,
-                     1024).max_skips is None  # the worker's own setting
+    assert build_job(GenerationRequest.parse_payload({"prompt": "x"}), tokenizer, "id",
+                     tokenizer.vocab_size).max_skips is None  # the worker's own setting
 
 
 def test_max_skips_is_bounded_and_sent_by_the_cli() -> None:

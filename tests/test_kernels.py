@@ -50,13 +50,14 @@ def test_engine_greedy_output_identical_with_triton_forced():
     assert out.count("engine ") == 3
 
 
-def test_cpu_tensors_take_the_reference_path_without_importing_triton():
+def test_cpu_tensors_take_the_reference_path_without_importing_the_triton_kernels():
+    """(torch imports triton itself on the first custom operator call, with torch._dynamo.)"""
     code = (
         "import sys, torch, kernels\n"
         "x = torch.randn(3, 8)\n"
         "out, _ = kernels.rms_norm(x, torch.ones(8), 1e-6)\n"
         "assert not kernels.triton_enabled(x)\n"
-        "assert 'triton' not in sys.modules and 'kernels.triton_kernels' not in sys.modules\n"
+        "assert 'kernels.triton_kernels' not in sys.modules\n"
     )
     run_python(["-c", code], {})
 

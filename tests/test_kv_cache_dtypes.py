@@ -17,9 +17,9 @@ import torch
 import kernels
 from engine import Generator, Job
 from engine.cache import KVCache
-from engine.perplexity import TextScores, score_text
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
+from genq_dev.perplexity import TextScores, score_text
 from producer.protocol import TASK_NAME, GenerationResult
 from tests.service import plain_client
 from worker.processes import WorkerProcess

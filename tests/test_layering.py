@@ -1,5 +1,9 @@
-"""The layering in DESIGN.md: kernels <- engine <- worker -> producer.protocol;
-producer never imports engine, kernels, worker or torch."""
+"""The layering (docs/architecture.md): kernels <- engine <- worker -> producer.protocol;
+producer never imports engine, kernels, worker or torch; chat_template, the floor below engine
+and producer (both render chats with it), imports none of them, nor torch, celery or redis. The
+development tools (genq_dev: tiny models, the demo-model fetcher, the perplexity scorer) sit on
+top of the engine, outside the service's packages: only the worker commands
+that make or fetch a model import them."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
+    "chat_template": {"engine", "kernels", "worker", "producer", "torch", "triton", "celery", "redis"},
     "kernels": {"engine", "worker", "producer"},
     "engine": {"worker", "producer", "celery", "redis"},
     "producer": {"engine", "kernels", "worker", "torch", "triton"},
@@ -37,6 +42,66 @@ def test_package_imports_respect_the_layering(package: str):
         for path in (ROOT / package).rglob("*.py")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Full dotted names of what a file imports; `from a import b` counts as both a and a.b."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    modules: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return modules
+
+
+DEVTOOLS = "genq_dev"
+DEVTOOLS_USERS = {"worker/cli.py", "worker/dev.py"}
+"""`genq make-tiny-model`, `genq demo` and `genq dev`: the commands that make or fetch a model."""
+
+
+@pytest.mark.parametrize("package", ["chat_template", "engine", "kernels", "worker", "producer"])
+def test_the_service_never_imports_the_dev_tools(package: str):
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            m for m in imported_modules(path) if m == DEVTOOLS or m.startswith(DEVTOOLS + ".")
+        )
+        for path in (ROOT / package).rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v and k not in DEVTOOLS_USERS} == {}
+
+
+# The floors below the step see tokens and pages, never text (issue 22): the scheduler, the KV
+# manager, the runner and the cache import nothing of the text pipeline, however indirectly.
+BELOW_THE_STEP = ("engine.scheduler", "engine.kv_manager", "engine.model_runner", "engine.cache", "engine.sequence")
+TEXT_MACHINERY = {"engine.detokenizer", "engine.stops", "engine.banned_strings", "engine.constraints",
+                  "engine.tokenizer", "engine.output_processor"}
+
+
+def engine_closure(module: str) -> set[str]:
+    """Every engine module the module imports, directly or through other engine modules."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if name in seen or not path.exists():
+            continue
+        seen.add(name)
+        todo += [m for m in imported_modules(path) if m.startswith("engine.")]
+    return seen - {module}
+
+
+@pytest.mark.parametrize("module", BELOW_THE_STEP)
+def test_the_layers_below_the_step_never_reach_the_text_machinery(module: str):
+    assert engine_closure(module) & TEXT_MACHINERY == set()
+
+
+def test_sequence_imports_nothing_but_the_job():
+    engine_imports = {m for m in imported_modules(ROOT / "engine/sequence.py") if m.startswith("engine")}
+    assert engine_imports == {"engine.job", "engine.job.Job"}
 
 
 def test_producer_imports_with_torch_unavailable():

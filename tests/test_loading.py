@@ -12,8 +12,8 @@ import torch
 
 from engine import Generator, ModelLoadError, UnsupportedArchitectureError
 from engine.config import ModelConfig
-from engine.tiny_model import make_tiny_model
 from engine.weights import load_model
+from genq_dev.tiny_model import make_tiny_model
 
 
 def copy_model(src: Path, dst: Path) -> Path:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from engine import Generator, Job
+from tests.engine_runs import run
 
 PAGE_SIZE = 8
 
@@ -20,15 +21,6 @@ def make(path: Path, prefix_caching: bool = True, **options: Any) -> Generator:
     return Generator.from_pretrained(path, page_size=PAGE_SIZE, prefix_caching=prefix_caching, **options)
 
 
-def run(generator: Generator, jobs: list[Job]) -> dict[Any, dict]:
-    for job in jobs:
-        generator.enqueue(job)
-    finals: dict[Any, dict] = {}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result["eos"]:
-                finals[result["identifier"]] = result
-    return finals
 
 
 def tokens(seed: int, n: int) -> list[int]:

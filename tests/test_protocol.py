@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from producer.protocol import (
     ProtocolError,
     StreamEvent,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -88,13 +91,21 @@ INVALID: dict[str, tuple[Any, list[str]]] = {
     ),
     "priority 10": ({"prompt": "x", "priority": 10}, ["priority:", "less than or equal to 9"]),
     "negative priority": ({"prompt": "x", "priority": -1}, ["priority:", "greater than or equal to 0"]),
+    "constraint and banned_strings": (
+        {"prompt": "x", "constraint": {"type": "json_object"}, "banned_strings": ["no"]},
+        ["constraint|banned_strings:", "at most one of constraint and banned_strings"],
+    ),
+    "constraint and token_healing": (
+        {"prompt": "x", "constraint": {"type": "json_object"}, "token_healing": True},
+        ["constraint|token_healing:", "at most one of constraint and token_healing"],
+    ),
     "deadline and timeout": ({"prompt": "x", "deadline": 2e9, "timeout_s": 10}, ["deadline|timeout_s:", "not both"]),
     "deadline in milliseconds": ({"prompt": "x", "deadline": 1.7e12}, ["deadline:", "253402300799"]),
     "timeout 0": ({"prompt": "x", "timeout_s": 0}, ["timeout_s:", "greater than 0"]),
     "timeout too long": ({"prompt": "x", "timeout_s": 86401}, ["timeout_s:", "86400"]),
     "bad message role": ({"messages": [{"role": "robot", "content": "hi"}]}, ["messages[0].role:", "'user'", "'robot'"]),
     "message without content": ({"messages": [{"role": "user"}]}, ["messages[0].content:", "required"]),
-    "unknown message field": ({"messages": [{"role": "user", "content": "x", "name": "a"}]}, ["messages[0].name: unknown field", "allowed: role, content"]),
+    "unknown message field": ({"messages": [{"role": "user", "content": "x", "author": "a"}]}, ["messages[0].author: unknown field", "allowed: role, content"]),
     "too many messages": ({"messages": [{"role": "user", "content": "x"}] * 513}, ["messages:", "at most 512", "got 513"]),
     "messages too long in all": (
         {"messages": [{"role": "user", "content": "x" * 600_000}] * 2},
@@ -291,6 +302,37 @@ def test_inconsistent_stream_events_are_rejected(fields: dict[str, Any], fragmen
         StreamEvent.model_validate(data)
 
 
+PROMPT_SCORES = [None, {"token_id": 9, "token": "b", "logprob": -2.5, "top_logprobs": [
+    {"token_id": 4, "token": "c", "logprob": -0.5}]}]
+
+
+def test_a_chunk_of_sample_0_carries_the_prompt_logprobs_even_with_empty_text():
+    for index in (None, 0):
+        wire = json.dumps({"id": "q1", "seq": 1, "attempt": 2, "event": "chunk", "text": "", "index": index,
+                           "prompt_token_ids": [1, 9], "prompt_logprobs": PROMPT_SCORES})
+        event = StreamEvent.from_json(wire)
+        assert (event.text, event.prompt_token_ids) == ("", [1, 9])
+        assert event.prompt_logprobs is not None and event.prompt_logprobs[0] is None
+        assert event.prompt_logprobs[1] == TokenLogprob(token_id=9, token="b", logprob=-2.5, top_logprobs=[
+            TopLogprob(token_id=4, token="c", logprob=-0.5)])
+        assert StreamEvent.from_json(event.to_json()) == event  # the leading null survives exclude_none
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"event": "done", "finish_reason": "stop"}, "only chunk events of sample 0 carry them"),
+    ({"event": "started"}, "only chunk events of sample 0 carry them"),
+    ({"event": "chunk", "index": 1}, "only chunk events of sample 0 carry them"),
+    ({"event": "chunk", "prompt_token_ids": [1]}, "one per prompt_token_ids entry, got 2 for 1 tokens"),
+    ({"event": "chunk", "prompt_token_ids": None}, "set together or not at all"),
+    ({"event": "chunk", "prompt_logprobs": None}, "set together or not at all"),
+])
+def test_prompt_logprobs_break_the_event_rules_elsewhere(fields: dict[str, Any], fragment: str):
+    data = {"id": "q1", "seq": 0, "attempt": 1, "prompt_token_ids": [1, 9], "prompt_logprobs": PROMPT_SCORES,
+            **fields}
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        StreamEvent.model_validate(data)
+
+
 def test_generation_result_round_trips_through_a_dict():
     result = GenerationResult(id="q1", attempt=2, text="Two, three", token_ids=[5, 6, 7, 2], finish_reason="length",
                               usage=USAGE, timings=TIMINGS, metadata={"tenant": "acme"})
@@ -303,22 +345,6 @@ def test_generation_result_round_trips_through_a_dict():
 def test_a_result_never_carries_an_error():
     with pytest.raises(ValueError, match="FAILURE"):
         GenerationResult(id="q1", attempt=1, text="", finish_reason="error", usage=USAGE, timings=TIMINGS)
-
-
-def test_finish_reasons_map_from_the_engine_eos_reasons():
-    assert p.finish_reason_from_eos("stop_token") == "stop"
-    assert p.finish_reason_from_eos("stop_string") == "stop"
-    assert p.finish_reason_from_eos("max_new_tokens") == "length"
-    assert p.finish_reason_from_eos("cancelled") == "cancelled"
-    with pytest.raises(ValueError, match="unknown engine eos_reason 'banana'"):
-        p.finish_reason_from_eos("banana")
-
-
-def test_the_mapping_covers_every_eos_reason_the_engine_produces():
-    from engine.outputs import FinishReason
-
-    produced = {reason.value for reason in FinishReason}
-    assert produced and produced <= set(p.EOS_REASON_TO_FINISH_REASON), produced - set(p.EOS_REASON_TO_FINISH_REASON)
 
 
 # --- names -----------------------------------------------------------------------
@@ -383,7 +409,8 @@ def test_protocol_imports_without_torch_numpy_or_the_rest_of_genq():
 
 
 def test_the_documented_python_example_compiles():
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    section = DOC.read_text().split("## 8. A complete Python producer", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1
     source = blocks[0]
     compile(source, "docs/protocol.md", "exec")
@@ -404,3 +431,120 @@ def test_the_docs_state_every_limit():
             assert f"| `{field}` |" in doc, (model.__name__, field)
     for field in StreamEvent.model_fields:
         assert f"| `{field}` |" in doc, field
+
+
+# --- numeric bounds (issue 23: dry_base 1e308 overflowed in the engine) ---------------------------
+
+# sampling field -> (a value past a limit, the limit the message must name)
+OUT_OF_RANGE: dict[str, tuple[float, str]] = {
+    "temperature": (1e-300, "at least 1e-05"),
+    "repetition_penalty": (1e-300, "greater than or equal to 0.01"),
+    "dry_multiplier": (1e308, "less than or equal to 100"),
+    "dry_base": (1e308, "less than or equal to 8"),
+    "dry_allowed_length": (20, "less than or equal to 19"),
+    "dry_range": (2**31, "less than or equal to 2147483647"),
+    "repetition_penalty_range": (2**31, "less than or equal to 2147483647"),
+    "repetition_penalty_decay": (2**31, "less than or equal to 2147483647"),
+    "smoothing_factor": (1e308, "less than or equal to 100"),
+    "mirostat_tau": (1e308, "less than or equal to 100"),
+    "mirostat_eta": (1.5, "less than or equal to 1"),
+    "temp_exponent": (1e308, "less than or equal to 100"),
+    "min_temp": (1e308, "less than or equal to 2"),
+    "max_temp": (1e308, "less than or equal to 2"),
+    "xtc_probability": (1.5, "less than or equal to 1"),
+    "xtc_threshold": (-0.5, "greater than or equal to 0"),
+    "skew": (-1e308, "greater than or equal to -10"),
+    "tfs": (0, "greater than 0"),
+    "typical": (1.5, "less than or equal to 1"),
+    "top_a": (2, "less than or equal to 1"),
+    "min_p": (-1, "greater than or equal to 0"),
+    "top_k": (2**31, "less than or equal to 2147483647"),
+    "frequency_penalty": (-1e308, "greater than or equal to -2"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(OUT_OF_RANGE))
+def test_out_of_range_sampling_values_are_refused_naming_field_and_limit(field: str):
+    value, limit = OUT_OF_RANGE[field]
+    message = problems({"prompt": "x", "sampling": {field: value}})
+    assert message.startswith(f"sampling.{field}: ") and limit in message, message
+
+
+def test_token_bias_values_are_bounded():
+    message = problems({"prompt": "x", "sampling": {"token_bias": {"3": -1e308}}})
+    assert message.startswith("sampling.token_bias[3]: ") and "greater than or equal to -100" in message
+
+
+def _numeric_fields() -> list[tuple[str, Any]]:
+    """(wire path, FieldInfo) of every number-valued request field."""
+    fields = []
+    for prefix, model in (("", GenerationRequest), ("sampling.", p.SamplingParams)):
+        for name, info in model.model_fields.items():
+            kinds = {kind for kind in typing.get_args(info.annotation) or (info.annotation,) if kind is not type(None)}
+            if kinds <= {int, float}:
+                fields.append((prefix + name, info))
+    return fields
+
+
+def _bounds(info: Any) -> tuple[str, Any, Any, str]:
+    """The field's range as the docs write it: '[', lower, upper, ']' (or parentheses where open)."""
+    lower = [(("(" if hasattr(m, "gt") else "["), getattr(m, "gt", getattr(m, "ge", None)))
+             for m in info.metadata if hasattr(m, "gt") or hasattr(m, "ge")]
+    upper = [(getattr(m, "lt", getattr(m, "le", None)), (")" if hasattr(m, "lt") else "]"))
+             for m in info.metadata if hasattr(m, "lt") or hasattr(m, "le")]
+    assert len(lower) == 1 and len(upper) == 1, info
+    return lower[0][0], lower[0][1], upper[0][0], upper[0][1]
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+@pytest.mark.parametrize(("path", "info"), _numeric_fields(), ids=[path for path, _ in _numeric_fields()])
+def test_every_numeric_field_is_bounded_both_ways_and_listed_in_the_limits_table(path: str, info: Any):
+    opening, lower, upper, closing = _bounds(info)
+    documented = f"| `{path}` | {opening}{_number(lower)}, {_number(upper)}{closing} |"
+    assert documented in DOC.read_text(), documented
+    number = int if isinstance(upper, int) else float
+    for beyond, limit in ((upper * 2 + 1, upper), (lower if opening == "(" else lower - 1, lower)):
+        if path.startswith("sampling."):
+            payload = {"prompt": "x", "sampling": {path.split(".", 1)[1]: number(beyond)}}
+        else:
+            payload = {"prompt": "x", path: number(beyond)}
+        message = problems(payload)
+        assert f"{path}: " in message and _plain(limit) in message, message
+
+
+def _plain(value: float) -> str:
+    """A limit as pydantic's messages write it."""
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# --- constraints as grammars -------------------------------------------------------------------------
+
+
+def _constraint(payload: dict[str, Any]) -> Any:
+    return GenerationRequest.parse_payload({"prompt": "x", "constraint": payload}).constraint
+
+
+@pytest.mark.parametrize(("payload", "expected"), [
+    ({"type": "json_schema", "json_schema": {"type": "integer"}},
+     ("json_schema", '{"type": "integer", "x-guidance": {"whitespace_flexible": false}}')),
+    ({"type": "json_schema", "json_schema": {"type": "integer", "x-guidance": {"whitespace_flexible": True}}},
+     ("json_schema", '{"type": "integer", "x-guidance": {"whitespace_flexible": true}}')),
+    ({"type": "json_object"}, ("json_schema", '{"type": "object", "x-guidance": {"whitespace_flexible": false}}')),
+    ({"type": "regex", "pattern": "[a-z]+"}, ("regex", "[a-z]+")),
+    ({"type": "choice", "choices": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+    ({"type": "grammar", "grammar": 'start: "a"'}, ("lark", 'start: "a"')),
+    ({"type": "grammar", "syntax": "gbnf", "grammar": 'root ::= "a"'}, ("gbnf", 'root ::= "a"')),
+], ids=["json_schema", "own x-guidance", "json_object", "regex", "choice", "lark", "gbnf"])
+def test_every_constraint_is_one_llguidance_source(payload: dict[str, Any], expected: tuple[str, str]):
+    assert p.grammar_source(_constraint(payload)) == expected
+
+
+def test_a_grammar_without_a_syntax_is_gbnf_when_its_rules_use_the_gbnf_arrow():
+    assert p.grammar_syntax('root ::= "a" | "b"') == "gbnf" and p.grammar_syntax('start: "a" | "b"') == "lark"
+
+
+def test_the_identifier_regex_is_compiled_once_from_the_pattern():
+    assert p.IDENTIFIER_RE.pattern == p.IDENTIFIER_PATTERN and p.IDENTIFIER_RE.fullmatch("cmpl-1.a:b_c")

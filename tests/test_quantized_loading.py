@@ -20,8 +20,8 @@ from engine.cache import KVCache
 from engine.errors import ModelLoadError
 from engine.model import CausalLM
 from engine.quantized_linear import QuantizedLinear, quantize_weight
-from engine.tiny_model import make_tiny_model
 from engine.weights import load_model
+from genq_dev.tiny_model import make_tiny_model
 from tests.gguf_files import write_gguf
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -22,6 +22,7 @@ from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, service_
 from tests.service import plain_client, replay
 from worker.bootsteps import EXIT_MODEL_UNUSABLE
 from worker.processes import RedisServer, WorkerProcess, wait_until
+from worker.publisher import Publisher
 
 QUEUE = "genq-restarts"
 OPTIONS = {"cache_tokens": 8192, "page_size": 16, "concurrency": 32, "visibility_timeout": 30}
@@ -201,3 +202,18 @@ def test_a_client_with_a_watchdog_resends_what_the_broker_lost(
         result = handle.result(timeout=60)
         assert result.usage.completion_tokens == 8 and client.watchdog is not None
         assert client.watchdog.resent == 1
+
+
+def test_a_publish_resent_after_a_dropped_reply_adds_each_event_once(server: RedisServer):
+    """The chaos run's duplicate: Redis applied a step's pipeline, died before replying, and the
+    publisher resent it. The replay stream must still hold each event once, and the next step's
+    events must still be added after it."""
+    publisher = Publisher(redis.Redis.from_url(server.url), "genq", stream_maxlen=1000, stream_ttl_s=60)
+    first = [StreamEvent(id="r", seq=0, attempt=1, event="started"),
+             StreamEvent(id="r", seq=1, attempt=1, event="chunk", text="a")]
+    publisher.publish(first)
+    publisher.publish(first)
+    publisher.publish([StreamEvent(id="r", seq=2, attempt=1, event="done", text="a", finish_reason="stop")])
+    publisher.publish([StreamEvent(id="r", seq=0, attempt=2, event="started")])
+    events = replay(redis.Redis.from_url(server.url), "r")
+    assert [(e.attempt, e.seq) for e in events] == [(1, 0), (1, 1), (1, 2), (2, 0)]

@@ -1,8 +1,8 @@
 """exllamav2's further samplers (typical, tfs, skew, quadratic smoothing, dynamic temperature,
 temperature_last, mirostat v2, DRY, XTC, repetition range/decay): each against a reference
-written here from its definition, one token at a time in plain Python, through both the
-functional sampler (sampling_probs, used by speculative verification) and the persistent
-BatchSampler the generator samples with, which must give the same distribution."""
+written here from its definition, one token at a time in plain Python, through the batched
+sampler (BatchSampler) the generator samples plain steps and speculative verify rows with,
+each checked row sitting in a batch beside rows of other settings."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,46 +20,52 @@ import engine.sampling
 import engine.slot_extras
 from engine import Generator, Job
 from engine.batch_sampler import BatchSampler
-from engine.sampling import DRY_MAX_NGRAM, SamplerSettings, SamplerSettingsError, SamplingRow, sample, sampling_probs
+from engine.sampler_settings import DRY_MAX_NGRAM, SamplerSettings, SamplerSettingsError
+from engine.sampling_state import SampleRow, SamplingState
 from engine.sequence import Sequence
-from tests.test_speculative import run
+from tests.engine_runs import run
+from tests.sampler_rows import CPU, probabilities, row, sample
 
-CPU = torch.device("cpu")
+
+@dataclass
+class Running:
+    """A running job as the generator holds it: its tokens and its sampling state."""
+
+    sequence: Sequence
+    state: SamplingState
+
+    @property
+    def row(self) -> SampleRow:
+        """The row that draws (and commits) the job's next token."""
+        return SampleRow.next_token(self.sequence, self.state)
+
+    def append(self, token: int) -> None:
+        self.sequence.append(token)
 
 
-def make_sequence(settings: SamplerSettings, context: Seq[int] = (0,), serial: int = 0, seed: int = 0,
-                  generated: int = 0) -> Sequence:
-    """A running job's sequence whose last `generated` context tokens are its output."""
+def make_job(settings: SamplerSettings, context: Seq[int] = (0,), serial: int = 0, seed: int = 0,
+             generated: int = 0) -> Running:
+    """A running job whose last `generated` context tokens are its output."""
     prompt, output = list(context[: len(context) - generated]), list(context[len(context) - generated:])
-    job = Job(prompt, 1000, gen_settings=settings, stop_conditions=[])
-    sequence = Sequence(job=job, serial=serial, token_ids=[*prompt, *output], num_prompt_tokens=len(prompt),
-                        stop_token_ids=frozenset(), detokenizer=None, stop_matcher=None,  # type: ignore[arg-type]
-                        rng=None, time_enqueued=0.0, seed=seed)
-    sequence.output_ids = output
-    return sequence
+    job = Job(prompt, 1000, gen_settings=settings, stop_conditions=[], seed=seed)
+    sequence = Sequence(job, serial, [*prompt, *output], len(prompt), 0.0, output_ids=output)
+    return Running(sequence, SamplingState(seed, frozenset()))
 
 
-def both_paths(logits: torch.Tensor, settings: Seq[SamplerSettings], contexts: Seq[Seq[int]] | None = None
-               ) -> torch.Tensor:
-    """The distribution of each row through the functional sampler, checked equal to the
-    persistent BatchSampler's for the same rows in the same batch."""
+def batch_distribution(logits: torch.Tensor, settings: Seq[SamplerSettings],
+                       contexts: Seq[Seq[int]] | None = None) -> torch.Tensor:
+    """The distribution each row draws from, all rows in one batch of the BatchSampler."""
     contexts = contexts or [[0]] * len(settings)
-    rows = [SamplingRow(s, list(c), [], torch.Generator().manual_seed(i)) for i, (s, c) in
-            enumerate(zip(settings, contexts, strict=True))]
-    functional = sampling_probs(logits, rows)
-    sampler = BatchSampler(len(settings) + 1, logits.shape[1], CPU)
-    persistent = sampler.distribution(logits, [make_sequence(s, c, serial=i) for i, (s, c) in
-                                               enumerate(zip(settings, contexts, strict=True))])
-    torch.testing.assert_close(persistent, functional, atol=1e-6, rtol=1e-5)
-    return functional
+    return probabilities(logits, [row(s, seed=i, prompt=c) for i, (s, c) in
+                                  enumerate(zip(settings, contexts, strict=True))])
 
 
 def check(logits: Seq[float], settings: SamplerSettings, expected: Seq[float], context: Seq[int] = (0,)) -> None:
-    """Row 1 of a three-row batch (plain neighbours on either side) matches expected on both paths."""
-    row = torch.tensor([list(logits)])
+    """Row 1 of a three-row batch (plain neighbours on either side) matches expected."""
+    one = torch.tensor([list(logits)])
     neighbours = SamplerSettings(temperature=0.9), SamplerSettings(top_k=3)
-    batch = torch.cat([row.flip(1), row, row.roll(1, 1)])
-    probs = both_paths(batch, [neighbours[0], settings, neighbours[1]], [[0], list(context), [0]])
+    batch = torch.cat([one.flip(1), one, one.roll(1, 1)])
+    probs = batch_distribution(batch, [neighbours[0], settings, neighbours[1]], [[0], list(context), [0]])
     torch.testing.assert_close(probs[1], torch.tensor(list(expected), dtype=torch.float32), atol=2e-6, rtol=1e-5)
 
 
@@ -265,20 +272,23 @@ def test_mirostat_keeps_tokens_below_mu_and_moves_mu_after_each_draw():
     settings = SamplerSettings(mirostat=True, mirostat_tau=tau, mirostat_eta=eta)
     check(xs, settings, mirostat_reference(ps, 2 * tau))  # mu starts at 2 tau
     sampler = BatchSampler(2, len(xs), CPU)
-    sequence = make_sequence(settings, seed=3)
+    job = make_job(settings, seed=3)
     logits = torch.tensor([xs])
     mu = 2 * tau
     for _ in range(6):
         expected = mirostat_reference(ps, mu)
-        torch.testing.assert_close(sampler.distribution(logits, [sequence])[0], torch.tensor(expected))
-        token = int(sampler.sample(logits, [sequence])[0])
-        sequence.append(token)
+        torch.testing.assert_close(sampler.distribution(logits, [job.row])[0], torch.tensor(expected))
+        token = int(sampler.sample(logits, [job.row])[0])
+        job.append(token)
         mu += eta * (tau - -math.log2(expected[token]))
         assert float(sampler.extras.mirostat_mu[0]) == pytest.approx(mu, rel=1e-5)
-    # the functional sampler updates the row's mu the same way
-    row = SamplingRow(settings, [0], [], torch.Generator().manual_seed(0), mirostat_mu=3.0)
-    token = int(sample(logits, [row])[0])
-    assert row.mirostat_mu == pytest.approx(3.0 + eta * (tau + math.log2(mirostat_reference(ps, 3.0)[token])))
+    # a job that resumes with another mu (its mu history) moves it the same way
+    resumed = make_job(settings, serial=1)
+    resumed.state.mu_history.append(torch.tensor(3.0))
+    token = int(sampler.sample(logits, [resumed.row])[0])
+    moved = 3.0 + eta * (tau + math.log2(mirostat_reference(ps, 3.0)[token]))
+    assert float(resumed.state.mu_history[-1]) == pytest.approx(moved)
+    assert float(sampler.extras.mirostat_mu[sampler._slots[1]]) == pytest.approx(moved)
 
 
 def test_mirostat_drives_the_observed_surprise_towards_tau():
@@ -286,12 +296,12 @@ def test_mirostat_drives_the_observed_surprise_towards_tau():
     logits = torch.tensor([xs])
     for tau in (1.0, 3.0):
         sampler = BatchSampler(1, len(xs), CPU)
-        sequence = make_sequence(SamplerSettings(mirostat=True, mirostat_tau=tau, mirostat_eta=0.2), seed=1)
+        job = make_job(SamplerSettings(mirostat=True, mirostat_tau=tau, mirostat_eta=0.2), seed=1)
         surprises = []
         for _ in range(400):
-            probs = sampler.distribution(logits, [sequence])[0]
-            token = int(sampler.sample(logits, [sequence])[0])
-            sequence.append(token)
+            probs = sampler.distribution(logits, [job.row])[0]
+            token = int(sampler.sample(logits, [job.row])[0])
+            job.append(token)
             surprises.append(-math.log2(float(probs[token])))
         assert sum(surprises[100:]) / 300 == pytest.approx(tau, abs=0.35)
     entropy = -sum(p * math.log2(p) for p in softmax(xs))
@@ -302,14 +312,14 @@ def test_mirostat_mu_survives_preemption_and_starts_fresh_for_a_new_job():
     settings = SamplerSettings(mirostat=True, mirostat_tau=1.0, mirostat_eta=0.5)
     logits = torch.tensor([random_logits(9)])
     sampler = BatchSampler(2, logits.shape[1], CPU)
-    sequence = make_sequence(settings, seed=5)
+    job = make_job(settings, seed=5)
     for _ in range(3):
-        sequence.append(int(sampler.sample(logits, [sequence])[0]))
+        job.append(int(sampler.sample(logits, [job.row])[0]))
     mu = float(sampler.extras.mirostat_mu[0])
     assert mu != 2.0
-    sampler.release(sequence.serial)  # preempted
-    newcomer = make_sequence(settings, serial=1, seed=5)
-    sampler.distribution(logits.expand(2, -1), [newcomer, sequence])
+    sampler.release(job.sequence.serial)  # preempted
+    newcomer = make_job(settings, serial=1, seed=5)
+    sampler.distribution(logits.expand(2, -1), [newcomer.row, job.row])
     slots = sampler._slots
     assert float(sampler.extras.mirostat_mu[slots[0]]) == mu
     assert float(sampler.extras.mirostat_mu[slots[1]]) == 2.0
@@ -321,18 +331,19 @@ def test_a_rewind_takes_mirostat_mu_back_to_the_token_it_rewinds_to():
     settings = SamplerSettings(mirostat=True, mirostat_tau=1.0, mirostat_eta=0.5)
     logits = torch.tensor([random_logits(9)])
     sampler = BatchSampler(1, logits.shape[1], CPU)
-    sequence = make_sequence(settings, seed=5)
+    job = make_job(settings, seed=5)
+    serial = job.sequence.serial
     mu_before = [2.0]
     for _ in range(5):
-        sequence.append(int(sampler.sample(logits, [sequence])[0]))
-        mu_before.append(float(sampler.extras.mirostat_mu[sampler._slots[sequence.serial]]))
+        job.append(int(sampler.sample(logits, [job.row])[0]))
+        mu_before.append(float(sampler.extras.mirostat_mu[sampler._slots[serial]]))
     assert len(set(mu_before)) > 2
-    drawn = list(sequence.output_ids)
-    sampler.release(sequence.serial)
-    sequence.rewind(2)
-    assert int(sampler.sample(logits, [sequence])[0]) == drawn[2]  # same uniform, same mu: the same draw
-    sequence.append(drawn[2])
-    assert float(sampler.extras.mirostat_mu[sampler._slots[sequence.serial]]) == mu_before[3]
+    drawn = list(job.sequence.output_ids)
+    sampler.release(serial)
+    job.sequence.rewind(2)
+    assert int(sampler.sample(logits, [job.row])[0]) == drawn[2]  # same uniform, same mu: the same draw
+    job.append(drawn[2])
+    assert float(sampler.extras.mirostat_mu[sampler._slots[serial]]) == mu_before[3]
 
 
 def test_xtc_excludes_the_top_choices_but_the_least_likely_of_them_with_its_probability():
@@ -359,25 +370,24 @@ def test_xtc_draws_are_deterministic_per_seed_and_do_not_depend_on_the_batch():
 
     def run(seed: int, neighbours: int) -> list[int]:
         sampler = BatchSampler(neighbours + 1, vocab, CPU)
-        probe = make_sequence(settings, seed=seed, serial=100)
-        others = [make_sequence(SamplerSettings(top_p=0.8, skew=0.5), seed=j, serial=j) for j in range(neighbours)]
+        probe = make_job(settings, seed=seed, serial=100)
+        others = [make_job(SamplerSettings(top_p=0.8, skew=0.5), seed=j, serial=j) for j in range(neighbours)]
         drawn = []
         for step in range(steps):
             now = logits[step:step + 1]
             batch = torch.cat([now.roll(j + 1, 1) for j in range(neighbours)] + [now])
-            token = int(sampler.sample(batch, [*others, probe])[-1])
+            token = int(sampler.sample(batch, [*(other.row for other in others), probe.row])[-1])
             probe.append(token)
             drawn.append(token)
         return drawn
 
     assert run(7, 0) == run(7, 0) == run(7, 3)
     assert run(7, 0) != run(8, 0)
-    # the persistent sampler draws from the distribution it reports: with certain exclusion, never a top choice
+    # the sampler draws from the distribution it reports: with certain exclusion, never a top choice
     certain = SamplerSettings(xtc_probability=1.0, xtc_threshold=0.2)
     xs = torch.tensor([[3.0, 2.8, 0.0, -0.5, -1.0, -1.0]])
     excluded = int(xs[0].argmax())
-    sampler = BatchSampler(64, xs.shape[1], CPU)
-    draws = sampler.sample(xs.expand(64, -1), [make_sequence(certain, seed=s, serial=s) for s in range(64)])
+    draws = sample(xs.expand(64, -1), [row(certain, seed=s) for s in range(64)])
     assert excluded not in draws.tolist() and 1 in draws.tolist()
 
 
@@ -392,20 +402,35 @@ def test_skew_reshapes_the_sorted_distribution(skew: float):
     check(xs, SamplerSettings(xtc_probability=0.6, xtc_threshold=0.1, skew=skew), skew_reference(mixed, skew))
 
 
+def lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def reference_uniform(seed: int, draw: int) -> float:
+    """The uniform of a job's token `draw`, as engine/batch_sampler.py defines it: the lowbias32
+    hash chained over the draw index (offset by 0x9E3779B9), the seed's high then low 32 bits, kept
+    to 24 bits and centred in their interval."""
+    mixed = lowbias32((seed & 0xFFFFFFFF) ^ lowbias32((seed >> 32) ^ lowbias32((draw ^ 0x9E3779B9) & 0xFFFFFFFF)))
+    return ((mixed >> 8) + 0.5) / (1 << 24)
+
+
 def test_skew_draws_with_the_uniform_raised_to_exp_minus_skew():
     xs = random_logits(12)
     ps = softmax(xs)
     order = by_probability(ps)
-    for seed in range(40):
-        uniform = float(torch.rand(1, generator=torch.Generator().manual_seed(seed)))
+    for seed, draw in [(seed, seed % 7) for seed in range(40)]:
+        uniform = reference_uniform(seed, draw)
         point, running, expected = uniform ** math.exp(-1.5), 0.0, order[-1]
         for token in order:
             running += ps[token]
             if running > point:
                 expected = token
                 break
-        row = SamplingRow(SamplerSettings(skew=1.5), [0], [], torch.Generator().manual_seed(seed))
-        assert int(sample(torch.tensor([xs]), [row])[0]) == expected
+        assert int(sample(torch.tensor([xs]), [row(SamplerSettings(skew=1.5), seed=seed, draw=draw)])[0]) == expected
 
 
 def dry_expected(xs: Seq[float], context: Seq[int], settings: SamplerSettings) -> list[float]:
@@ -422,12 +447,12 @@ def test_dry_penalises_the_continuation_of_a_repeated_sequence():
     twice = [1, 2, 3, 4, 8, 1, 2, 3, 6, 9, 1, 2, 3]  # two earlier copies, two continuations
     assert dry_reference(twice, settings, 10) == {4: 1.6, 6: 1.6}
     check(xs, settings, dry_expected(xs, twice, settings), twice)
-    # greedy rows honour DRY too
+    # greedy rows honour DRY too, over the prompt and the generated tokens alike
     greedy = SamplerSettings(temperature=0.0, dry_multiplier=5.0, dry_allowed_length=2)
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]])
-    assert int(sample(logits, [SamplingRow(greedy, context, [], None)])[0]) == 5
+    assert int(sample(logits, [row(greedy, prompt=context)])[0]) == 5
     sampler = BatchSampler(1, 10, CPU)
-    assert int(sampler.sample(logits, [make_sequence(greedy, context)])[0]) == 5
+    assert int(sampler.sample(logits, [make_job(greedy, context, generated=4).row])[0]) == 5
 
 
 def test_dry_respects_breakers_allowed_length_and_range():
@@ -469,13 +494,13 @@ def test_repetition_penalty_range_and_decay_are_exllamav2_s(sustain: int, decay:
     settings = SamplerSettings(repetition_penalty=1.8, repetition_penalty_range=sustain,
                                repetition_penalty_decay=decay)
     check(xs, settings, softmax(repetition_reference(xs, context, 1.8, sustain, decay)), context)
-    rows = [SamplingRow(SamplerSettings(temperature=0.0, repetition_penalty=1.8, repetition_penalty_range=sustain,
-                                        repetition_penalty_decay=decay), context, [], None)]
+    rows = [row(SamplerSettings(temperature=0.0, repetition_penalty=1.8, repetition_penalty_range=sustain,
+                                repetition_penalty_decay=decay), prompt=context)]
     reference = repetition_reference(xs, context, 1.8, sustain, decay)
     assert int(sample(torch.tensor([xs]), rows)[0]) == max(range(10), key=lambda i: reference[i])
 
 
-def test_every_sampler_at_once_gives_one_distribution_on_both_paths():
+def test_every_sampler_at_once_gives_one_distribution():
     vocab = 32
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(15)) * 2
     context = [4, 5, 6, 7, 1, 4, 5, 6, 31, 2, 4, 5]
@@ -488,7 +513,7 @@ def test_every_sampler_at_once_gives_one_distribution_on_both_paths():
     settings = [SamplerSettings.greedy(), everything, SamplerSettings(temperature=0.7),
                 SamplerSettings(temperature=0.0, dry_multiplier=1.0, repetition_penalty=1.3,
                                 repetition_penalty_range=4), SamplerSettings(typical=0.8, top_p=0.9), everything]
-    probs = both_paths(logits, settings, [context] * 6)
+    probs = batch_distribution(logits, settings, [context] * 6)
     torch.testing.assert_close(probs.sum(-1), torch.ones(6))
     assert 1 < int((probs[1] > 0).sum()) < 20  # the truncations did truncate
 
@@ -505,8 +530,8 @@ def test_plain_batches_run_none_of_the_further_samplers(monkeypatch: pytest.Monk
     settings = [SamplerSettings.greedy(), SamplerSettings(temperature=0.9, top_k=5, top_p=0.9, min_p=0.05),
                 SamplerSettings(repetition_penalty=1.2, frequency_penalty=0.5), SamplerSettings(top_a=0.1)]
     sampler = BatchSampler(4, 20, CPU)
-    sampler.sample(logits, [make_sequence(s, [1, 2, 1], serial=i) for i, s in enumerate(settings)])
-    sample(logits, [SamplingRow(s, [1, 2, 1], [], torch.Generator()) for s in settings])
+    sampler.sample(logits, [make_job(s, [1, 2, 1], serial=i, seed=i).row for i, s in enumerate(settings)])
+    sampler.distribution(logits, [make_job(s, [1, 2, 1], serial=i, seed=i).row for i, s in enumerate(settings)])
 
 
 @pytest.mark.parametrize(
@@ -515,27 +540,38 @@ def test_plain_batches_run_none_of_the_further_samplers(monkeypatch: pytest.Monk
         ({"typical": 0.0}, "typical must be in (0, 1] (1 = off), got 0.0"),
         ({"tfs": 1.5}, "tfs must be in (0, 1] (1 = off), got 1.5"),
         ({"skew": 11}, "skew must be in [-10, 10] (0 = off), got 11"),
-        ({"smoothing_factor": -0.1}, "smoothing_factor must be >= 0 (0 = off), got -0.1"),
+        ({"smoothing_factor": -0.1}, "smoothing_factor must be in [0, 100] (0 = off), got -0.1"),
+        ({"smoothing_factor": 1e30}, "smoothing_factor must be in [0, 100] (0 = off), got 1e+30"),
         ({"min_temp": -1}, "min_temp must be in [0, 100], got -1"),
         ({"max_temp": 101}, "max_temp must be in [0, 100], got 101"),
         ({"min_temp": 1.5, "max_temp": 1.0}, "max_temp must be >= min_temp (1.5)"),
-        ({"temp_exponent": 0}, "temp_exponent must be > 0, got 0"),
+        ({"temp_exponent": 0}, "temp_exponent must be in (0, 100], got 0"),
+        ({"temp_exponent": 1e9}, "temp_exponent must be in (0, 100], got 1000000000.0"),
         ({"temperature_last": 1}, "temperature_last must be true or false, got 1"),
         ({"mirostat": "yes"}, "mirostat must be true or false, got 'yes'"),
-        ({"mirostat_tau": -1}, "mirostat_tau must be >= 0, got -1"),
+        ({"mirostat_tau": -1}, "mirostat_tau must be in [0, 100], got -1"),
+        ({"mirostat_tau": 1e300}, "mirostat_tau must be in [0, 100], got 1e+300"),
+        ({"mirostat_eta": 2}, "mirostat_eta must be in [0, 1], got 2"),
         ({"mirostat_eta": float("inf")}, "mirostat_eta must be a finite number"),
-        ({"dry_multiplier": -1}, "dry_multiplier must be >= 0 (0 = off), got -1"),
-        ({"dry_base": 0.5}, "dry_base must be >= 1, got 0.5"),
+        ({"dry_multiplier": -1}, "dry_multiplier must be in [0, 100] (0 = off), got -1"),
+        ({"dry_multiplier": 1e300}, "dry_multiplier must be in [0, 100] (0 = off), got 1e+300"),
+        ({"dry_base": 0.5}, "dry_base must be in [1, 8], got 0.5"),
+        ({"dry_base": 1e308}, "dry_base must be in [1, 8], got 1e+308"),
         ({"dry_allowed_length": 0}, "dry_allowed_length must be in [1, 19]"),
         ({"dry_allowed_length": 20}, "dry_allowed_length must be in [1, 19]"),
         ({"dry_allowed_length": 2.5}, "dry_allowed_length must be an integer in [1, 19], got 2.5"),
-        ({"dry_range": -1}, "dry_range must be >= 0 (0 = the whole context), got -1"),
+        ({"dry_range": -1}, "dry_range must be in [0, 2147483647] (0 = the whole context), got -1"),
         ({"dry_sequence_breakers": (-3,)}, "dry_sequence_breakers entry must be a token id >= 0, got -3"),
         ({"xtc_probability": 1.5}, "xtc_probability must be in [0, 1] (0 = off), got 1.5"),
         ({"xtc_threshold": -0.1}, "xtc_threshold must be in [0, 1], got -0.1"),
         ({"xtc_ignore_tokens": ("a",)}, "xtc_ignore_tokens entry must be an integer token id"),
-        ({"repetition_penalty_range": -2}, "repetition_penalty_range must be >= -1 (-1 = the whole context), got -2"),
-        ({"repetition_penalty_decay": -1}, "repetition_penalty_decay must be >= 0, got -1"),
+        ({"repetition_penalty_range": -2},
+         "repetition_penalty_range must be in [-1, 2147483647] (-1 = the whole context), got -2"),
+        ({"repetition_penalty_range": 2**40}, "repetition_penalty_range must be in [-1, 2147483647]"),
+        ({"repetition_penalty_decay": -1}, "repetition_penalty_decay must be in [0, 2147483647], got -1"),
+        ({"repetition_penalty": 1e-30}, "repetition_penalty must be in [0.01, 100] (1 = off), got 1e-30"),
+        ({"repetition_penalty": 1e30}, "repetition_penalty must be in [0.01, 100] (1 = off), got 1e+30"),
+        ({"token_bias": {3: 1e30}}, "token_bias[3] must be in [-1e+06, 1e+06], got 1e+30"),
     ],
 )
 def test_invalid_settings_name_the_field_and_its_limit(kwargs: dict, message: str):

@@ -77,7 +77,7 @@ def test_every_wire_sampling_field_reaches_the_engine(model_dir: Path):
     tokenizer = Tokenizer.from_pretrained(model_dir)
     request = GenerationRequest.parse_payload({"prompt": "x", "sampling": EVERYTHING})
     assert request.to_kwargs()["sampling"] == EVERYTHING  # and round-trips on the wire
-    settings = build_job(request, tokenizer, "id", tokenizer.vocab_size, 1024).gen_settings
+    settings = build_job(request, tokenizer, "id", tokenizer.vocab_size).gen_settings
     engine_fields = {f.name for f in dataclasses.fields(SamplerSettings)}
     for name, value in EVERYTHING.items():
         if name != "dry_sequence_breakers":
@@ -96,7 +96,7 @@ def test_dry_breakers_default_to_exllamav2_s_and_an_empty_list_means_none(model_
 
     def breakers(sampling: dict[str, Any]) -> tuple[int, ...]:
         request = GenerationRequest.parse_payload({"prompt": "x", "sampling": sampling})
-        return build_job(request, tokenizer, "id", tokenizer.vocab_size, 1024).gen_settings.dry_sequence_breakers
+        return build_job(request, tokenizer, "id", tokenizer.vocab_size).gen_settings.dry_sequence_breakers
 
     default = set(breakers({"dry_multiplier": 1.0}))
     assert tokenizer.special_token_ids <= default
@@ -148,8 +148,8 @@ def test_the_gateway_takes_them_under_tabbyapi_s_names(oai: openai.OpenAI, gatew
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
     for body, problem in (({"mirostat_mode": 1}, "mirostat_mode: 0 (off) or 2 (mirostat v2), got 1"),
                           ({"dry_sequence_breakers": "[\"\\n\""}, "dry_sequence_breakers: not a JSON array"),
-                          ({"penalty_range": -5}, "sampling.repetition_penalty_range"),
-                          ({"xtc_threshold": 2}, "sampling.xtc_threshold")):
+                          ({"penalty_range": -5}, "penalty_range: Input should be greater than or equal to -1"),
+                          ({"xtc_threshold": 2}, "xtc_threshold: Input should be less than or equal to 1")):
         refused = httpx.post(f"{gateway}/v1/completions", headers=bearer(), timeout=30,
                              json={"model": MODEL, "prompt": "x", "max_tokens": 2, **body})
         assert refused.status_code == 400, refused.text

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from engine.sampling import (
-    EmptyDistributionError,
-    SamplerSettings,
-    SamplerSettingsError,
-    SamplingRow,
-    sample,
-    sampling_probs,
-)
+from engine import Generator, Job, JobRejected
+from engine.batch_sampler import BatchSampler
+from engine.sampler_settings import EmptyDistributionError, SamplerSettings, SamplerSettingsError
+from tests.sampler_rows import CPU, probabilities, row, sample, sample_rows
 
 
 def gen(seed: int) -> torch.Generator:
+    """Test data (logits) only: the sampler's randomness is its rows' seeds and draw indices."""
     return torch.Generator().manual_seed(seed)
-
-
-def row(settings: SamplerSettings, seed: int | None = 0, prompt=(), output=(), suppress=()) -> SamplingRow:
-    generator = None if seed is None else gen(seed)
-    return SamplingRow(settings, list(prompt), list(output), generator, list(suppress))
 
 
 def support_over_seeds(logits_row: torch.Tensor, settings: SamplerSettings, n: int = 400) -> set[int]:
@@ -68,7 +61,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     # The exact values, through the distribution a sampled row would use.
     sampled = SamplerSettings(repetition_penalty=1.3)
     x = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
-    probs = sampling_probs(x, [row(sampled, prompt=[0, 1], output=[1])])
+    probs = probabilities(x, [row(sampled, prompt=[0, 1], output=[1])])
     expected = torch.softmax(torch.tensor([[2.0 / 1.3, -1.0 * 1.3, 0.5, 1.0]]), -1)
     torch.testing.assert_close(probs, expected)
 
@@ -80,7 +73,7 @@ def test_frequency_counts_occurrences_presence_does_not_and_prompt_is_ignored():
         row(SamplerSettings(frequency_penalty=0.5), prompt=[2, 2], output=output),
         row(SamplerSettings(presence_penalty=0.5), prompt=[2, 2], output=output),
     ]
-    probs = sampling_probs(logits, rows)
+    probs = probabilities(logits, rows)
     freq = torch.softmax(torch.tensor([-1.5, -0.5, 0.0, 0.0]), -1)
     presence = torch.softmax(torch.tensor([-0.5, -0.5, 0.0, 0.0]), -1)
     torch.testing.assert_close(probs[0], freq)
@@ -90,7 +83,7 @@ def test_frequency_counts_occurrences_presence_does_not_and_prompt_is_ignored():
 def test_penalties_ignore_ids_outside_the_vocabulary():
     logits = torch.tensor([[1.0, 0.0, -1.0]])
     settings = SamplerSettings(repetition_penalty=2.0, frequency_penalty=1.0)
-    probs = sampling_probs(logits, [row(settings, prompt=[3, 1000, -1], output=[7])])
+    probs = probabilities(logits, [row(settings, prompt=[3, 1000, -1], output=[7])])
     torch.testing.assert_close(probs, torch.softmax(logits, -1))
 
 
@@ -105,14 +98,14 @@ def test_top_k_support_is_exactly_the_k_most_likely_tokens():
     settings = SamplerSettings(top_k=3)
     top3 = {3, 1, 6}
     assert support_over_seeds(logits, settings) == top3
-    assert support_of_probs(sampling_probs(logits[None], [row(settings)])[0]) == top3
+    assert support_of_probs(probabilities(logits[None], [row(settings)])[0]) == top3
     assert len(support_over_seeds(logits, SamplerSettings())) > 3  # the filter is what limits it
 
 
 @pytest.mark.parametrize(("top_p", "nucleus"), [(0.8, {0, 1}), (0.81, {0, 1, 2}), (0.3, {0}), (1.0, {0, 1, 2, 3})])
 def test_top_p_keeps_the_minimal_nucleus(top_p, nucleus):
     settings = SamplerSettings(top_p=top_p)
-    assert support_of_probs(sampling_probs(NUCLEUS[None], [row(settings)])[0]) == nucleus
+    assert support_of_probs(probabilities(NUCLEUS[None], [row(settings)])[0]) == nucleus
     assert support_over_seeds(NUCLEUS, settings) == nucleus
 
 
@@ -120,19 +113,19 @@ def test_top_p_round_off_does_not_add_a_token():
     # Five of fifty equal tokens hold exactly 0.1, but their fp32 cumulative sum lands just
     # below 0.1; a strict comparison would let a sixth token into the nucleus.
     settings = SamplerSettings(top_p=0.1)
-    probs = sampling_probs(torch.zeros(1, 50), [row(settings)])[0]
+    probs = probabilities(torch.zeros(1, 50), [row(settings)])[0]
     assert support_of_probs(probs) == {0, 1, 2, 3, 4}  # equal logits: the lowest ids win
 
 
 def test_top_p_renormalizes_the_nucleus():
-    probs = sampling_probs(NUCLEUS[None], [row(SamplerSettings(top_p=0.8))])[0]
+    probs = probabilities(NUCLEUS[None], [row(SamplerSettings(top_p=0.8))])[0]
     torch.testing.assert_close(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
 
 
 @pytest.mark.parametrize(("min_p", "kept"), [(0.25, {0, 1, 2}), (0.5, {0, 1}), (0.9, {0}), (0.0, {0, 1, 2, 3})])
 def test_min_p_keeps_tokens_above_a_fraction_of_the_max(min_p, kept):
     settings = SamplerSettings(min_p=min_p)
-    assert support_of_probs(sampling_probs(NUCLEUS[None], [row(settings)])[0]) == kept
+    assert support_of_probs(probabilities(NUCLEUS[None], [row(settings)])[0]) == kept
     assert support_over_seeds(NUCLEUS, settings) == kept
 
 
@@ -160,12 +153,12 @@ def test_top_a_keeps_tokens_above_top_a_times_the_peak_squared(top_a: float):
     probs = torch.softmax(logits, dim=-1)
     reference = {i for i, p in enumerate(probs.tolist()) if p >= top_a * float(probs.max()) ** 2}
     settings = SamplerSettings(temperature=1.0, top_a=top_a)
-    assert support_of_probs(sampling_probs(logits[None], [row(settings)])[0]) == reference
+    assert support_of_probs(probabilities(logits[None], [row(settings)])[0]) == reference
     assert support_over_seeds(logits, settings) <= reference
     with_top_k = SamplerSettings(temperature=1.0, top_k=3, top_a=top_a)  # over the renormalized top 3
     kept = torch.softmax(logits[:3], dim=-1)
     expected = {i for i, p in enumerate(kept.tolist()) if p >= top_a * float(kept.max()) ** 2}
-    assert support_of_probs(sampling_probs(logits[None], [row(with_top_k)])[0]) == expected
+    assert support_of_probs(probabilities(logits[None], [row(with_top_k)])[0]) == expected
 
 
 def test_token_bias_can_force_a_token():
@@ -187,8 +180,8 @@ def test_same_seed_repeats_and_different_seeds_differ():
     settings = SamplerSettings()
 
     def draws(seed: int) -> list[int]:
-        g = gen(seed)
-        return [sample(logits, [SamplingRow(settings, [], [], g)]).item() for _ in range(20)]
+        """The job's tokens 0..19: one seed's stream, draw index by draw index."""
+        return [sample(logits, [row(settings, seed=seed, draw=n)]).item() for n in range(20)]
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
@@ -201,13 +194,12 @@ def test_a_rows_draws_do_not_depend_on_its_batch():
     others = [SamplerSettings.greedy(), SamplerSettings(top_p=0.5, presence_penalty=1.0),
               SamplerSettings(temperature=1.5, banned_token_ids=(3,))]
     for probe in probe_settings:
-        alone_gen, batch_gen = gen(11), gen(11)
         alone, batched, outputs = [], [], []
         for t in range(steps):
             probe_logits = logits[t, 2:3]
-            alone.append(sample(probe_logits, [SamplingRow(probe, [1], list(outputs), alone_gen)]).item())
-            rows = [SamplingRow(s, [1], [], gen(100 + t + j)) for j, s in enumerate(others)]
-            rows.insert(2, SamplingRow(probe, [1], list(outputs), batch_gen))
+            alone.append(sample(probe_logits, [row(probe, seed=11, prompt=[1], output=outputs)]).item())
+            rows = [row(s, seed=100 + t + j, prompt=[1]) for j, s in enumerate(others)]
+            rows.insert(2, row(probe, seed=11, prompt=[1], output=outputs))
             batch_logits = torch.cat([logits[t, :2], probe_logits, logits[t, 3:]])
             batched.append(sample(batch_logits, rows)[2].item())
             outputs.append(alone[-1])
@@ -245,17 +237,18 @@ def test_mixed_batch_rows_follow_their_own_settings():
         [1.0, 3.0, 2.0, 0.0],
     ])
     n_rep = 50
-    rows = [
-        row(SamplerSettings.greedy(), seed=None),
-        row(SamplerSettings(temperature=0.0, repetition_penalty=10.0), seed=None, prompt=[1]),
-        row(SamplerSettings(temperature=5.0, top_k=1, banned_token_ids=(1,))),
-        row(SamplerSettings(temperature=1.0, token_bias={3: 100.0})),
-    ]
+
+    def rows(seed: int) -> list:
+        return [
+            row(SamplerSettings.greedy(), seed=None),
+            row(SamplerSettings(temperature=0.0, repetition_penalty=10.0), seed=None, prompt=[1]),
+            row(SamplerSettings(temperature=5.0, top_k=1, banned_token_ids=(1,)), seed=seed),
+            row(SamplerSettings(temperature=1.0, token_bias={3: 100.0}), seed=seed),
+        ]
+
     for rep in range(n_rep):
-        for r in rows[2:]:
-            r.generator = gen(rep)
-        assert sample(logits, rows).tolist() == [1, 2, 2, 3]
-    probs = sampling_probs(logits, rows)
+        assert sample(logits, rows(rep)).tolist() == [1, 2, 2, 3]
+    probs = probabilities(logits, rows(0))
     assert probs[:3].argmax(-1).tolist() == [1, 2, 2] and probs[3, 3] > 0.99
 
 
@@ -267,13 +260,13 @@ def test_sampling_probs_rows_sum_to_one_and_greedy_rows_are_one_hot():
         row(SamplerSettings(min_p=0.1, frequency_penalty=0.5), output=[1, 1]),
         row(SamplerSettings(temperature=0.0, banned_token_ids=(int(logits[3].argmax()),)), seed=None),
     ]
-    probs = sampling_probs(logits, rows)
+    probs = probabilities(logits, rows)
     assert probs.shape == (4, 20) and probs.dtype == torch.float32
     torch.testing.assert_close(probs.sum(-1), torch.ones(4))
     second_best = int(logits[3].topk(2).indices[1])
     for i, token in ((0, int(logits[0].argmax())), (3, second_best)):
         assert torch.equal(probs[i], torch.nn.functional.one_hot(torch.tensor(token), 20).float())
-    fast = sampling_probs(logits, [row(SamplerSettings.greedy(), seed=None)] * 4)
+    fast = probabilities(logits, [row(SamplerSettings.greedy(), seed=None)] * 4)
     assert torch.equal(fast.argmax(-1), logits.argmax(-1)) and torch.equal(fast.sum(-1), torch.ones(4))
 
 
@@ -312,16 +305,21 @@ def test_invalid_settings_name_the_field_and_limit(kwargs, message):
     assert isinstance(info.value, ValueError)
 
 
-def test_validate_rejects_ids_outside_the_vocabulary():
+def test_validate_rejects_ids_outside_the_vocabulary(llama_dir: Path):
     SamplerSettings(banned_token_ids=(49,), token_bias={0: 1.0}).validate(50)
     with pytest.raises(SamplerSettingsError, match=r"banned_token_ids contains 50, outside the vocabulary \[0, 50\)"):
         SamplerSettings(banned_token_ids=(50,)).validate(50)
     with pytest.raises(SamplerSettingsError, match=r"token_bias key 99 is outside the vocabulary \[0, 50\)"):
         SamplerSettings(token_bias={99: 1.0}).validate(50)
-    with pytest.raises(SamplerSettingsError, match="banned_token_ids contains 60"):
-        sample(torch.zeros(1, 50), [row(SamplerSettings(banned_token_ids=(60,)))])
-    with pytest.raises(ValueError, match=r"suppress_ids of row 0 contains 50, outside the vocabulary \[0, 50\)"):
-        sample(torch.zeros(1, 50), [row(SamplerSettings(), suppress=[50])])
+    # the generator's admission is where a job's settings meet the model's vocabulary
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=256, page_size=8)
+    vocab = generator.model.config.vocab_size
+    refused = f"gen_settings: banned_token_ids contains {vocab + 10}, outside the vocabulary"
+    with pytest.raises(JobRejected, match=refused):
+        generator.enqueue(Job([5, 6], 4, gen_settings=SamplerSettings(banned_token_ids=(vocab + 10,))))
+    with pytest.raises(JobRejected, match=rf"stop_conditions contains token id {vocab}, outside the vocabulary"):
+        generator.enqueue(Job([5, 6], 4, stop_conditions=[2, vocab]))  # a stop token suppressed by min_new_tokens
+    assert generator.num_remaining_jobs() == 0
 
 
 def test_settings_are_hashable_and_normalized():
@@ -333,12 +331,12 @@ def test_settings_are_hashable_and_normalized():
 
 
 def test_masking_every_token_raises_a_named_error_instead_of_nan():
-    with pytest.raises(EmptyDistributionError, match="banned_token_ids and suppress_ids"):
-        sample(torch.zeros(1, 4), [row(SamplerSettings(banned_token_ids=(0, 1)), suppress=[2, 3])])
-    with pytest.raises(EmptyDistributionError, match="model's logits"):
-        sample(torch.full((1, 4), math.nan), [row(SamplerSettings(top_k=2))])
-
-
-def test_sampled_row_without_generator_is_rejected():
-    with pytest.raises(ValueError, match="no torch.Generator"):
-        sample(torch.zeros(1, 4), [row(SamplerSettings(), seed=None)])
+    """Such a row draws -1 (its job alone fails); raise_for_row names why."""
+    cases = [(torch.zeros(1, 4), row(SamplerSettings(banned_token_ids=(0, 1)), suppress=[2, 3]),
+              "banned_token_ids and suppress_ids"),
+             (torch.full((1, 4), math.nan), row(SamplerSettings(top_k=2)), "model's logits")]
+    for logits, spec, cause in cases:
+        sampler = BatchSampler(1, 4, CPU)
+        assert sampler.sample(logits, sample_rows([spec])).tolist() == [-1]
+        with pytest.raises(EmptyDistributionError, match=cause):
+            sampler.raise_for_row(0)

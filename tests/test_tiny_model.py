@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.tiny_model import (
+from genq_dev.tiny_model import (
     FAMILIES,
     PRESETS,
     SPECIAL_TOKENS,
@@ -247,5 +247,5 @@ def test_module_does_not_import_transformers() -> None:
         "spec.loader.exec_module(module)\n"
         "assert 'transformers' not in sys.modules, 'tiny_model imported transformers'\n"
     )
-    source = Path(__file__).resolve().parents[1] / "engine" / "tiny_model.py"
+    source = Path(__file__).resolve().parents[1] / "genq_dev" / "tiny_model.py"
     subprocess.run([sys.executable, "-c", code, str(source)], check=True)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.tiny_model import FAMILIES, make_tiny_model
 from engine.tokenizer import Tokenizer
+from genq_dev.tiny_model import FAMILIES, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

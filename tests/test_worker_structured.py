@@ -58,7 +58,8 @@ def test_a_json_schema_request_returns_valid_json_with_logprobs_in_chunks_and_re
         events = replay(redis_client, f"json-{i}")
         assert chunk_text(events) == result.text
         streamed = [lp for e in events if e.event == "chunk" for lp in e.logprobs or []]
-        assert streamed == result.logprobs == events[-1].logprobs
+        assert streamed == result.logprobs  # the final event carries none: stored once, in the result
+        assert events[-1].logprobs is None
 
 
 def test_a_constraint_that_does_not_compile_fails_naming_it_and_others_finish(
@@ -103,3 +104,19 @@ def test_a_worker_started_with_ngram_speculation_reports_its_acceptance_rate(
         assert stats is not None and stats["drafted_tokens"] > 0
         assert stats["draft_acceptance_rate"] == round(stats["accepted_draft_tokens"] / stats["drafted_tokens"], 4)
         assert stats["prompt_tokens_cached"] == 0  # --no-prefix-caching
+
+
+def test_a_grammar_past_an_llguidance_limit_fails_with_one_line_naming_it(
+    worker: WorkerProcess, client: Celery, redis_client: redis.Redis
+):
+    """Issue 23 item 5: the limit trips as the grammar starts (its first token tried), not at the
+    first sampled token with llguidance's parser dump."""
+    wide = "start: " + " | ".join(f'"a{i}"' for i in range(3000))
+    bad = send(client, "too-wide", constraint={"type": "grammar", "syntax": "lark", "grammar": wide})
+    good = send(client, "good-choice-2", constraint={"type": "choice", "choices": ["yes", "no"]})
+    bad.get(timeout=60, propagate=False)
+    error = replay(redis_client, "too-wide")[-1].error or ""
+    assert bad.state == "FAILURE" and error.startswith("constraint: lark: over llguidance's max_items_in_row limit "
+                                                       "(2000)"), error
+    assert "\n" not in error and len(error) <= 200
+    assert good.get(timeout=60)["text"] in ("yes", "no")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from producer.routing import task_router
 from producer.settings import celery_base_config
 from worker import bootsteps
 from worker.settings import Settings
@@ -30,8 +31,9 @@ def create_app(settings: Settings | None = None) -> Celery:
         task_send_sent_event=True,
         task_track_started=True,
         result_expires=settings.result_expires_s,
-        task_default_queue=settings.queue,
-        task_routes={"genq.generate": {"queue": settings.queue}},
+        # genq.generate (a chain's next genq task) to its queue; other tasks a chain or callback sends
+        # from here (the user's) to their own routes or Celery's default queue, never to genq's.
+        task_routes=(task_router(settings.queue_for),),
         worker_pool="threads",
         worker_concurrency=settings.concurrency,
         worker_hijack_root_logger=False,

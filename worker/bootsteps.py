@@ -1,6 +1,7 @@
 """Celery integration of the engine: a worker bootstep that loads the model
 once and runs the engine loop, its stats in `celery inspect stats` (and so in
-Flower), an `engine_stats` inspect command, and warm-shutdown handling."""
+Flower's worker page, readable), an `engine_stats` inspect command, Celery's
+`revoke` extended to running generations, and warm-shutdown handling."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ from typing import Any
 
 from celery import Celery, bootsteps
 from celery.signals import worker_shutting_down
-from celery.worker.control import inspect_command
+from celery.utils.functional import maybe_list
+from celery.worker import state as worker_state
+from celery.worker.control import Panel, control_command, inspect_command, ok
 
 from engine.errors import ModelLoadError
+from producer.protocol import TASK_NAME
 from worker import runtime as runtime_module
+from worker.delivery import identifier_of
+from worker.loop import TOKENS_PER_SECOND_WINDOW_S
+from worker.metrics import readable_stats
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -46,13 +53,47 @@ class EngineStep(bootsteps.StartStopStep):
             self.runtime.stop()
 
     def info(self, parent: Any) -> dict[str, Any]:
-        return {"engine": self.runtime.loop.stats() if self.runtime is not None else {"loading": True}}
+        stats = self.runtime.loop.stats() if self.runtime is not None else None
+        return readable_stats(stats, TOKENS_PER_SECOND_WINDOW_S)
 
 
 @inspect_command()
 def engine_stats(state: Any) -> dict[str, Any]:
-    """`celery inspect engine_stats`: the engine's pages, jobs and throughput."""
+    """`celery inspect engine_stats`: the engine's pages, jobs and throughput, as numbers."""
     return runtime_module.current(timeout=0).loop.stats()
+
+
+_celery_revoke = Panel.data["revoke"]
+
+
+@control_command(variadic="task_id", signature="[id1 [id2 [... [idN]]]]")
+def revoke(state: Any, task_id: Any, terminate: bool = False, signal: str | None = None, **kwargs: Any
+           ) -> dict[str, Any]:
+    """Celery's revoke, which alone leaves a running task running (and, with terminate, fails on
+    the threads pool, which cannot kill a thread): a genq job this worker has taken is cancelled
+    as genq's own cancel does, within one engine step; the task then ends REVOKED
+    (worker/tasks.py). Other tasks get Celery's revoke as it is."""
+    task_ids = set(maybe_list(task_id) or [])
+    try:
+        runtime = runtime_module.current(timeout=0)
+    except RuntimeError:
+        return _celery_revoke(state, list(task_ids), terminate, signal, **kwargs)
+    holders = runtime.loop.lease_holders()
+    ours: dict[str, str] = {}
+    for request in list(worker_state.requests.values()):
+        if request.id in task_ids and request.task_name == TASK_NAME:
+            identifier = identifier_of(request.id, request.kwargs)
+            if holders.get(identifier) in (None, request.id):
+                ours[request.id] = identifier
+    if ours:
+        # Flagged first, so that the task thread the cancel wakes knows it was revoked.
+        _celery_revoke(state, list(ours), terminate=False)
+        for identifier in ours.values():
+            runtime.loop.cancel(identifier)
+    others = task_ids - ours.keys()
+    if not others:
+        return ok(f"tasks {sorted(ours)} revoked: their generations are cancelled")
+    return _celery_revoke(state, list(others), terminate, signal, **kwargs)
 
 
 def _on_shutting_down(sig: Any = None, how: str | None = None, exitcode: int | None = None, **_: Any) -> None:

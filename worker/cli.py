@@ -8,9 +8,13 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from worker.plan import add_plan_command
+from worker.settings import Settings
+from worker.settings_cli import add_settings_options
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -25,7 +29,7 @@ DEMO_PROMPTS = [
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import count_parameters, make_tiny_model, model_config
+    from genq_dev.tiny_model import count_parameters, make_tiny_model, model_config
 
     path = make_tiny_model(args.dir, family=args.family, preset=args.preset, seed=args.seed, dtype=args.dtype,
                            num_shards=args.shards)
@@ -34,18 +38,28 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_problem(model: str | Path | None) -> str | None:
+    """Why `model` cannot be loaded at all, said before anything slow starts; None when it may be."""
+    from engine.gguf_file import is_gguf
+
+    if not model:
+        return "no model: pass --model DIR or set GENQ_MODEL"
+    if (Path(model) / "config.json").is_file() or is_gguf(model):
+        return None
+    return f"{model} is neither a Hugging Face model directory (no config.json) nor a .gguf file"
+
+
 def _demo(args: argparse.Namespace) -> int:
     from engine import Generator, Job, SamplerSettings
-    from engine.gguf_file import is_gguf
     from engine.progress import LoadProgress
-    from engine.tiny_model import make_tiny_model
+    from genq_dev.tiny_model import make_tiny_model
 
-    model_dir = Path(args.model) if args.model else DEFAULT_DEMO_MODEL
-    if not (model_dir / "config.json").is_file() and not is_gguf(model_dir):
-        if args.model:
-            print(f"error: {model_dir} is neither an HF model directory (no config.json) nor a .gguf file",
-                  file=sys.stderr)
-            return 2
+    model_dir = Path(args.model or DEFAULT_DEMO_MODEL)
+    problem = model_problem(model_dir)
+    if problem and args.model:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if problem:
         print(f"making the tiny demo model in {model_dir} (random weights: expect noise, not prose) ...",
               file=sys.stderr)
         make_tiny_model(model_dir, family="llama", preset="tiny")
@@ -70,7 +84,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _apply_settings(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+def _apply_settings(args: argparse.Namespace, names: Sequence[str]) -> None:
     """Command-line options win over GENQ_* variables: export them before the
     Celery app (which reads Settings from the environment) is imported."""
     for name in names:
@@ -80,18 +94,13 @@ def _apply_settings(args: argparse.Namespace, names: tuple[str, ...]) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    _apply_settings(args, WORKER_SETTINGS)
+    _apply_settings(args, args.settings_fields)
     from worker.app import app
 
     settings = app.genq_settings
-    if not settings.model:
-        print("error: no model: pass --model DIR or set GENQ_MODEL", file=sys.stderr)
-        return 2
-    from engine.gguf_file import is_gguf
-
-    if not (Path(settings.model) / "config.json").is_file() and not is_gguf(settings.model):
-        print(f"error: {settings.model} is neither a Hugging Face model directory (no config.json) nor a .gguf file",
-              file=sys.stderr)
+    problem = model_problem(settings.model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     argv = [
         "worker",
@@ -149,18 +158,15 @@ def _dev(args: argparse.Namespace) -> int:
     return run(args.model, args.demo_tokens, args.flower_port)
 
 
-WORKER_SETTINGS = (
-    "model", "device", "dtype", "concurrency", "queue", "redis_url", "cache_tokens", "cache_dtype", "quantize",
-    "page_size",
-    "max_batch_size", "max_chunk_size", "visibility_timeout_s", "shutdown_grace_s", "metrics_port",
-    "prefix_routes", "prefix_route", "prefix_caching", "ngram_draft", "draft_model", "num_draft_tokens",
-    "max_speculative_batch",
-)
+DEFAULT_LOG_LEVELS = {"gateway": "INFO"}
+"""A gateway says where it listens and logs each request (tokens redacted) unless told otherwise,
+as uvicorn does on its own."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genq", description="Queue-fed LLM generation service.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--log-level", help="logging level (DEBUG, INFO, WARNING, ...; default INFO for `genq "
+                                            "gateway`, whose address and access log are INFO lines, else WARNING)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     tiny = commands.add_parser(
@@ -194,49 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "continuous-batching generator, and serves genq.generate tasks from the queue. Every "
                     "option can also be set as GENQ_<NAME> (e.g. GENQ_REDIS_URL); options win.",
     )
-    worker.add_argument("--model", help="HF model directory or .gguf file (GENQ_MODEL)")
-    worker.add_argument("--device", help="cpu or cuda[:N] (default cpu)")
-    worker.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
-    worker.add_argument("--concurrency", type=int, help="tasks in flight on this worker (default 64)")
-    worker.add_argument("--queue", help="queue to consume; one per model (default genq)")
-    worker.add_argument("--redis-url", dest="redis_url", help="broker + results + streams (GENQ_REDIS_URL)")
-    worker.add_argument("--cache-tokens", dest="cache_tokens", type=int, help="KV cache size in tokens")
-    worker.add_argument("--cache-dtype", dest="cache_dtype", choices=["auto", "fp8", "q8", "q4", "k8v4"],
-                        help="KV cache storage (GENQ_CACHE_DTYPE): auto = the model's dtype; fp8, q8, q4 and "
-                             "k8v4 (keys 8-bit, values 4-bit) are quantized on write: 2x to 3.5x the tokens of "
-                             "a 16-bit cache in the same memory (see the README's quantization table)")
-    worker.add_argument("--quantize", choices=["int8", "int4"],
-                        help="weight-only quantization of the linear layers at load (GENQ_QUANTIZE); a GGUF "
-                             "Q4_0/Q4_1/Q4_K/Q8_0 file maps onto it without dequantizing first")
-    worker.add_argument("--page-size", dest="page_size", type=int, help="KV cache page size in tokens")
-    worker.add_argument("--max-batch-size", dest="max_batch_size", type=int, help="jobs batched together")
-    worker.add_argument("--max-chunk-size", dest="max_chunk_size", type=int, help="tokens per forward")
-    worker.add_argument("--visibility-timeout", dest="visibility_timeout_s", type=int,
-                        help="seconds before an unacked task is redelivered (default 3600)")
-    worker.add_argument("--shutdown-grace", dest="shutdown_grace_s", type=float,
-                        help="seconds a warm shutdown lets in-flight jobs finish before requeueing them")
-    worker.add_argument("--metrics-port", dest="metrics_port", type=int,
-                        help="serve Prometheus metrics at http://0.0.0.0:PORT/metrics (GENQ_METRICS_PORT)")
-    worker.add_argument("--prefix-routes", dest="prefix_routes", type=int,
-                        help="number of prefix routes the producers use (GENQ_PREFIX_ROUTES; 0 = off)")
-    worker.add_argument("--prefix-route", dest="prefix_route",
-                        help="prefix routes this worker also consumes, e.g. 0 or 0,1 (GENQ_PREFIX_ROUTE): "
-                             "requests starting alike reach the same worker, so its prefix cache hits")
-    worker.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_const", const=False,
-                        help="do not share KV pages between requests with a common prefix (GENQ_PREFIX_CACHING)")
-    speculation = worker.add_mutually_exclusive_group()
-    speculation.add_argument("--ngram-draft", dest="ngram_draft", action="store_const", const=True,
-                             help="speculative decoding with n-gram drafts from each request's own text "
-                                  "(GENQ_NGRAM_DRAFT); pays on repetitive output at small batches")
-    speculation.add_argument("--draft-model", dest="draft_model", metavar="PATH",
-                             help="speculative decoding with a smaller model of the same tokenizer "
-                                  "(GENQ_DRAFT_MODEL)")
-    worker.add_argument("--num-draft-tokens", dest="num_draft_tokens", type=int,
-                        help="draft tokens verified per request and step (default 4)")
-    worker.add_argument("--max-speculative-batch", dest="max_speculative_batch", type=int,
-                        help="speculate only while at most this many requests decode (default 8)")
+    settings_fields = add_settings_options(worker, Settings)
     worker.add_argument("--hostname", help="Celery node name (default genq worker's celery@host)")
-    worker.set_defaults(func=_worker)
+    worker.set_defaults(func=_worker, settings_fields=settings_fields)
 
     flower = commands.add_parser(
         "flower", help="run Flower against the genq Celery app",
@@ -245,14 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flower.add_argument("--port", type=int, default=5555)
     flower.add_argument("--address", default="127.0.0.1")
-    flower.add_argument("--redis-url", dest="redis_url", help="broker URL (GENQ_REDIS_URL)")
+    flower.add_argument("--redis-url", help="broker URL (GENQ_REDIS_URL)")
     flower.add_argument("--queue", help="queue name (GENQ_QUEUE)")
     flower.set_defaults(func=_flower)
 
     gateway = commands.add_parser(
         "gateway", help="run the HTTP gateway: webhooks, SSE streams, OpenAI-compatible API (no torch needed)",
         description="Serve the FastAPI gateway with uvicorn. Settings come from GENQ_GATEWAY_* and the shared "
-                    "GENQ_* variables (README, 'The gateway'); --host and --port win.",
+                    "GENQ_* variables (docs/configuration.md); --host and --port win.",
     )
     gateway.add_argument("--host", help="bind address (GENQ_GATEWAY_HOST, default 127.0.0.1)")
     gateway.add_argument("--port", type=int, help="bind port (GENQ_GATEWAY_PORT, default 8000)")
@@ -274,10 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dev.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched "
                                      "once into .models/; the tiny random model if that fails)")
-    dev.add_argument("--demo-tokens", dest="demo_tokens", type=int, default=256,
-                     help="most tokens in the demo answer")
-    dev.add_argument("--flower-port", dest="flower_port", type=int, help="default: a free port")
+    dev.add_argument("--demo-tokens", type=int, default=256, help="most tokens in the demo answer")
+    dev.add_argument("--flower-port", type=int, help="default: a free port")
     dev.set_defaults(func=_dev)
+    add_plan_command(commands)
     _add_producer_commands(commands)
     return parser
 
@@ -293,15 +259,11 @@ PRODUCER_EXIT_CODES = """exit codes:
 """
 
 
-def _producer_command(name: str) -> Callable[[argparse.Namespace], int]:
-    """A handler from producer.cli, imported when it runs: these commands need neither torch nor the worker."""
+def _producer_command(args: argparse.Namespace) -> int:
+    """producer.cli runs these commands, imported only then: they need neither torch nor the worker."""
+    from producer.cli import run
 
-    def run(args: argparse.Namespace) -> int:
-        from producer import cli
-
-        return getattr(cli, name)(args)
-
-    return run
+    return run(args)
 
 
 def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
@@ -310,8 +272,8 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
     def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         parser = commands.add_parser(name, help=summary, description=description, epilog=PRODUCER_EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--redis-url", dest="redis_url", help="streams, broker and results (GENQ_REDIS_URL)")
-        parser.set_defaults(func=_producer_command(f"{name}_command"))
+        parser.add_argument("--redis-url", help="streams, broker and results (GENQ_REDIS_URL)")
+        parser.set_defaults(func=_producer_command)
         return parser
 
     submit = add(
@@ -322,34 +284,32 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
     )
     submit.add_argument("prompt", nargs="?", help="the prompt; - reads it from stdin")
     submit.add_argument("--messages", metavar="FILE", help='chat: a JSON list of {"role", "content"}; - = stdin')
-    submit.add_argument("--input-ids", dest="input_ids", metavar="IDS", help="token ids, comma-separated: 1,2,3")
+    submit.add_argument("--input-ids", metavar="IDS", help="token ids, comma-separated: 1,2,3")
     submit.add_argument("--stream", action="store_true", help="print the text as it is generated")
     submit.add_argument("--json", action="store_true",
                         help="print the result as JSON (with --stream: every event, one JSON object a line)")
     submit.add_argument("--detach", action="store_true", help="print the request id on stdout and exit at once")
-    submit.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, metavar="N", help="default 256")
-    submit.add_argument("--min-new-tokens", dest="min_new_tokens", type=int, metavar="N",
-                        help="stop tokens blocked until then")
+    submit.add_argument("--max-new-tokens", type=int, metavar="N", help="default 256")
+    submit.add_argument("--min-new-tokens", type=int, metavar="N", help="stop tokens blocked until then")
     submit.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (the default)")
-    submit.add_argument("--top-p", dest="top_p", type=float, metavar="P", help="nucleus sampling mass")
-    submit.add_argument("--top-k", dest="top_k", type=int, metavar="K",
-                        help="keep the K most likely tokens")
+    submit.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass")
+    submit.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens")
     submit.add_argument("--seed", type=int, metavar="N", help="same seed and request, same text")
     submit.add_argument("--sampling", metavar="JSON",
                         help='any other sampling settings, as a JSON object: \'{"min_p": 0.05, "dry_multiplier": '
                              '0.8, "mirostat": true}\' (docs/protocol.md lists them)')
     submit.add_argument("--stop", action="append", metavar="STR", help="a stop string (repeatable)")
-    submit.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", help="do not stop at EOS")
-    submit.add_argument("--ban", action="append", metavar="STR",
+    submit.add_argument("--ignore-eos", action="store_const", const=True, help="do not stop at EOS")
+    submit.add_argument("--ban", action="append", dest="banned_strings", metavar="STR",
                         help="a string the output never contains (repeatable; the worker rewinds)")
-    submit.add_argument("--token-healing", dest="token_healing", action="store_true",
+    submit.add_argument("--token-healing", action="store_const", const=True,
                         help="regenerate the prompt's last token (for prompts cut mid-word)")
     submit.add_argument("--n", type=int, metavar="N",
                         help="N samples of the prompt (1 to 16; seeds seed, seed + 1, ...), each printed under "
                              "a [sample i] line")
-    submit.add_argument("--id", help="the request identifier (default: a new UUID)")
+    submit.add_argument("--id", dest="identifier", metavar="ID", help="the request identifier (default: a new UUID)")
     submit.add_argument("--priority", type=int, metavar="P", help="0 (served first) to 9")
-    submit.add_argument("--max-skips", dest="max_skips", type=int, metavar="N",
+    submit.add_argument("--max-skips", type=int, metavar="N",
                         help="times the request may be passed over while it does not fit the cache (0 to 1024; "
                              "default: the worker's, 16)")
     submit.add_argument("--timeout", type=float, metavar="S",
@@ -357,15 +317,14 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
                              "cancelled if no result comes")
     submit.add_argument("--queue", help="the queue of the model to use (GENQ_QUEUE, default genq)")
     constraint = submit.add_mutually_exclusive_group()
-    constraint.add_argument("--json-schema", dest="json_schema", metavar="FILE",
+    constraint.add_argument("--json-schema", metavar="FILE",
                             help="the output is JSON valid under this JSON Schema (a file; - = stdin)")
-    constraint.add_argument("--json-object", dest="json_object", action="store_true",
-                            help="the output is a JSON object")
+    constraint.add_argument("--json-object", action="store_true", help="the output is a JSON object")
     constraint.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
     constraint.add_argument("--choice", action="append", metavar="TEXT",
                             help="the output is one of these (repeat the option for each choice)")
     constraint.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar")
-    submit.add_argument("--top-logprobs", dest="top_logprobs", type=int, metavar="K",
+    submit.add_argument("--top-logprobs", type=int, metavar="K",
                         help="with --json: each token's log-probability and K alternatives (0 to 20)")
 
     stream = add("stream", "print a request's text from the start, as it is generated",
@@ -388,6 +347,7 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.log_level = args.log_level or DEFAULT_LOG_LEVELS.get(args.command, "WARNING")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

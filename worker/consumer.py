@@ -23,10 +23,10 @@ import redis
 from celery.worker.consumer import Consumer
 from vine import promise
 
-from producer.protocol import TASK_NAME, StreamEvent
+from producer.protocol import TASK_NAME, ProtocolError
 from worker.intake import Refusal, check_message
 from worker.publisher import Publisher
-from worker.tasks import GenerationFailed
+from worker.tasks import publish_error
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class GuardedConsumer(Consumer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._reporter: RefusalReporter | None = None
+        self._publisher: Publisher | None = None
 
     def create_task_handler(self, promise: type = promise) -> Callable[[Any], None]:
         handle = super().create_task_handler(promise)
@@ -89,34 +89,23 @@ class GuardedConsumer(Consumer):
             log.warning("closing the lost broker connection failed inside kombu; reconnecting anyway", exc_info=True)
 
     def refuse(self, message: Any, refusal: Refusal) -> None:
-        """Log, tell the producer where possible, then acknowledge (never requeue)."""
+        """Log; store the task's failure and publish its `error` event where an id can be read, so a
+        producer waiting on either learns why at once instead of timing out; then acknowledge (never
+        requeue)."""
         log.warning("refused a task message (task id %r, identifier %r): %s", refusal.task_id, refusal.identifier,
                     refusal.reason)
-        if self._reporter is None:
-            self._reporter = RefusalReporter(self.app)
-        self._reporter.report(refusal)
-        if not message.acknowledged:
-            message.reject_log_error(log, self.connection_errors, requeue=False)
-
-
-class RefusalReporter:
-    """Stores a refused task's failure and publishes its `error` event, so a
-    producer waiting on either learns why at once instead of timing out."""
-
-    def __init__(self, app: Any) -> None:
-        settings = app.genq_settings
-        self.backend = app.backend
-        self.publisher = Publisher(settings.redis(), settings.key_prefix,
-                                   settings.stream_maxlen, settings.stream_ttl_s)
-
-    def report(self, refusal: Refusal) -> None:
+        if self._publisher is None:
+            settings = self.app.genq_settings
+            self._publisher = Publisher(settings.redis(), settings.key_prefix, settings.stream_maxlen,
+                                        settings.stream_ttl_s)
         try:
             # The stream first, as for every task: a result never precedes its stream's final event.
             if refusal.identifier is not None:
-                attempt, _ = self.publisher.begin_attempt(refusal.identifier)
-                self.publisher.publish([StreamEvent(id=refusal.identifier, seq=0, attempt=attempt, event="error",
-                                                    finish_reason="error", error=refusal.reason)])
+                publish_error(self._publisher, refusal.identifier, refusal.reason)
             if refusal.task_id is not None:
-                self.backend.mark_as_failure(refusal.task_id, GenerationFailed(refusal.reason), call_errbacks=False)
+                self.app.backend.mark_as_failure(refusal.task_id, ProtocolError(refusal.reason),
+                                                 call_errbacks=False)
         except (redis.RedisError, OSError):
             log.exception("could not report the refusal of task %r", refusal.task_id)
+        if not message.acknowledged:
+            message.reject_log_error(log, self.connection_errors, requeue=False)

@@ -11,7 +11,6 @@ reads nothing but the message and imports nothing that talks to Redis.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,23 +18,13 @@ from typing import Any
 from celery.utils.time import maybe_iso8601
 from kombu.exceptions import ContentDisallowed
 
-from producer.protocol import IDENTIFIER_PATTERN
+from producer.protocol import IDENTIFIER_RE
 
-IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
 MAX_TASK_ID_CHARS = 256
 #: Headers Celery's request handling reads, and the JSON types it can cope with.
 HEADER_TYPES: dict[str, tuple[type, ...]] = {
-    "task": (str,),
-    "shadow": (str,),
-    "eta": (str,),
-    "expires": (str,),
-    "root_id": (str,),
-    "parent_id": (str,),
-    "group": (str,),
-    "argsrepr": (str,),
-    "kwargsrepr": (str,),
-    "origin": (str,),
-    "lang": (str,),
+    **dict.fromkeys(("task", "shadow", "eta", "expires", "root_id", "parent_id", "group", "argsrepr", "kwargsrepr",
+                     "origin", "lang"), (str,)),
     "retries": (int,),
     "ignore_result": (bool,),
     "timelimit": (list, tuple),
@@ -59,6 +48,7 @@ def check_message(message: Any) -> Refusal | None:
     headers = message.headers if isinstance(message.headers, Mapping) else {}
     task_id = _task_id(headers)
     body: Any = None
+    body_problem: str | None
     try:
         body = message.decode()
     except ContentDisallowed:
@@ -71,13 +61,11 @@ def check_message(message: Any) -> Refusal | None:
     if problem is None:
         return None
     kwargs = body[1] if isinstance(body, list | tuple) and len(body) == 3 and isinstance(body[1], Mapping) else {}
-    requested = kwargs.get("identifier")
-    if isinstance(requested, str) and IDENTIFIER_RE.fullmatch(requested):
-        identifier: str | None = requested
-    else:
-        identifier = task_id if task_id is not None and IDENTIFIER_RE.fullmatch(task_id) else None
-    # A result is stored under the task id only when it is safe to name a Redis key with.
+    # A result is stored under the task id, and an error published under the identifier (else the
+    # task id), only when it is safe to name a Redis key with.
     storable = task_id if task_id is not None and IDENTIFIER_RE.fullmatch(task_id) else None
+    requested = kwargs.get("identifier")
+    identifier = requested if isinstance(requested, str) and IDENTIFIER_RE.fullmatch(requested) else storable
     return Refusal(_shorten(problem), storable, identifier)
 
 
@@ -113,9 +101,6 @@ def _body_problem(body: Any) -> str | None:
     args, kwargs, embed = body
     if not isinstance(args, list | tuple):
         return f"args: must be a list, got {_describe(args)}"
-    if args:
-        return (f"args: genq.generate takes keyword arguments only (send them as kwargs), "
-                f"got {len(args)} positional argument(s)")
     if not isinstance(kwargs, Mapping):
         return f"kwargs: must be an object of keyword arguments, got {_describe(kwargs)}"
     if "self" in kwargs:

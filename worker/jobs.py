@@ -1,82 +1,64 @@
 """Turn a validated wire request into an engine Job (on the task thread, so
-tokenization runs in parallel with the engine loop)."""
+tokenization runs in parallel with the engine loop). A chat is rendered by
+producer/chat_rendering.py (the gateway's POST /tokenize renders with the same)
+with the tools (docs/tools.md), and its calls (forced, or chosen under "auto")
+become the job's constraint."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import fields
+from functools import lru_cache
+
 from engine import Constraint, Job, SamplerSettings, Tokenizer
 from engine.constraints import compiled_grammar
+from producer.chat_rendering import model_reasoning_format, model_tool_format, render_messages
 from producer.protocol import (
     DRY_DEFAULT_SEQUENCE_BREAKERS,
     XTC_SPARED,
-    ChoiceConstraint,
     GenerationRequest,
-    GrammarConstraint,
-    JsonObjectConstraint,
-    JsonSchemaConstraint,
+    NamedToolChoice,
     OutputConstraint,
     ProtocolError,
-    RegexConstraint,
     SamplingParams,
+    grammar_source,
 )
-
-# Sampling settings with the same name and meaning on the wire and in the engine.
-SAME_NAMED = (
-    "repetition_penalty_range", "repetition_penalty_decay", "dry_multiplier", "dry_base", "dry_allowed_length",
-    "dry_range", "smoothing_factor", "tfs", "typical", "mirostat", "mirostat_tau", "mirostat_eta",
-    "temperature_last", "min_temp", "max_temp", "temp_exponent", "xtc_probability", "xtc_threshold", "skew",
-)
+from producer.tool_calls import SPECIAL_MARKERS, ToolChoice, auto_call_grammar, forced_call_grammar
 
 
-def build_job(
-    request: GenerationRequest, tokenizer: Tokenizer, identifier: str, vocab_size: int, max_seq_len: int
-) -> Job:
+def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str, vocab_size: int) -> Job:
     """The engine job for `request`. `vocab_size` is the model's: the protocol bounds token ids
     only by int32, so stop tokens the model can never produce are refused here (the engine
-    refuses such input_ids, sampling settings refuse such banned ids and biases)."""
+    refuses such input_ids, sampling settings refuse such banned ids and biases). Whether the
+    prompt and max_new_tokens fit the model is the engine's admission check (JobRejected).
+
+    A request with tools gets its tool_format filled in when it left it null (the format this
+    model writes): the same request object goes on to the loop, whose RequestEvents reads the
+    calls out of the output in that format (worker/tool_results.py). A chat gets its
+    reasoning_format filled in so too (the thought is split off first)."""
     for index, token in enumerate(request.stop_token_ids):
         if token >= vocab_size:
             raise ProtocolError([f"stop_token_ids[{index}]: token id {token} is outside the vocabulary "
                                  f"[0, {vocab_size})"])
+    if request.tools is not None and request.tool_format is None:
+        request.tool_format = model_tool_format(tokenizer.chat)
+    if request.messages is not None and request.reasoning_format is None:
+        request.reasoning_format = model_reasoning_format(tokenizer.chat)
     if request.prompt is not None:
-        field = "prompt"
         add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
         input_ids = tokenizer.encode(request.prompt, add_special_tokens=add_bos)
         if not input_ids:
             raise ProtocolError(["prompt: encodes to no tokens"])
     elif request.messages is not None:
-        field = "messages"
         if tokenizer.chat_template is None:
             raise ProtocolError(["messages: this model has no chat template; send prompt or input_ids"])
-        input_ids = tokenizer.encode_chat([m.model_dump() for m in request.messages])
+        input_ids = encode_messages(request, tokenizer)
     else:
-        field = "input_ids"
         input_ids = list(request.input_ids or ())
-    total = len(input_ids) + request.max_new_tokens
-    if total > max_seq_len:
-        # Checked here, not only in the engine, so that the message names the field the producer sent.
-        problem = (f"{field}: {len(input_ids)} tokens + max_new_tokens ({request.max_new_tokens}) = {total} "
-                   f"exceeds the model's max_seq_len={max_seq_len}")
-        raise ProtocolError([problem])
     stops: list[int | str] = [*request.stop, *request.stop_token_ids]
     if not request.ignore_eos:
         stops += tokenizer.eos_token_ids
-    sampling = request.sampling
-    settings = SamplerSettings(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        min_p=sampling.min_p,
-        top_a=sampling.top_a,
-        repetition_penalty=sampling.repetition_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        presence_penalty=sampling.presence_penalty,
-        token_bias=dict(sampling.token_bias),
-        banned_token_ids=tuple(sampling.banned_token_ids),
-        allowed_token_ids=tuple(sampling.allowed_token_ids),
-        dry_sequence_breakers=dry_sequence_breakers(sampling, tokenizer, vocab_size),
-        xtc_ignore_tokens=xtc_spared_tokens(sampling, tokenizer, vocab_size),
-        **{name: getattr(sampling, name) for name in SAME_NAMED},
-    )
+    settings = sampler_settings(request.sampling, tokenizer, vocab_size)
     return Job(
         input_ids,
         request.max_new_tokens,
@@ -84,17 +66,62 @@ def build_job(
         stop_conditions=stops,
         gen_settings=settings,
         identifier=identifier,
-        seed=sampling.seed,
+        seed=request.sampling.seed,
         decode_special_tokens=request.decode_special_tokens,
-        constraint=engine_constraint(request.constraint) if request.constraint is not None else None,
+        constraint=(tool_constraint(request, tokenizer) if request.constraint is None
+                    else engine_constraint(request.constraint)),
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
+        prompt_logprobs=request.prompt_logprobs,
         # The queue's priority orders admission in the engine too (0 = most urgent; none = 0, as on the broker).
         priority=request.priority or 0,
         max_skips=request.max_skips,
         banned_strings=request.banned_strings,
         token_healing=request.token_healing,
     )
+
+
+def encode_messages(request: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+    """The chat's prompt tokens (render_messages, encoded)."""
+    return tokenizer.encode_rendered(render_messages(request, tokenizer.chat))
+
+
+def tool_constraint(request: GenerationRequest, tokenizer: Tokenizer) -> Constraint | None:
+    """The grammar of the request's tool calls in its tool format (docs/tools.md): a forced call
+    (tool_choice "required" or a named function) from the output's start; under "auto" (or no
+    choice) free text until the output commits to a call, then the call; "none" leaves the
+    output free."""
+    choice = request.tool_choice
+    if request.tools is None or choice == "none":
+        return None
+    assert request.tool_format is not None, "build_job resolves it"
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+    try:
+        if choice is None or choice == "auto":
+            syntax, grammar = auto_call_grammar(tools, request.tool_format, request.parallel_tool_calls,
+                                                special_marker_ids(tokenizer))
+        else:
+            forced: ToolChoice = choice.model_dump() if isinstance(choice, NamedToolChoice) else "required"
+            syntax, grammar = forced_call_grammar(tools, forced, request.tool_format, request.parallel_tool_calls)
+    except ValueError as error:
+        raise ProtocolError([str(error)]) from None
+    return _compiled(Constraint(syntax, grammar), "tools")
+
+
+@lru_cache(maxsize=4)
+def special_marker_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The tool-call markers that are special tokens of this tokenizer, by id: a grammar's free
+    text cannot hold a special token, so the auto grammar allows these by id."""
+    ids = {marker: tokenizer.token_to_id(marker) for marker in SPECIAL_MARKERS}
+    return {marker: i for marker, i in ids.items() if i is not None and i in tokenizer.special_token_ids}
+
+
+def sampler_settings(sampling: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> SamplerSettings:
+    """The engine's settings from the wire's: every SamplerSettings field the wire has by the same name
+    is copied (the engine normalises lists and dicts), the ones in DERIVED are computed."""
+    values = {name: getattr(sampling, name) for name in SAME_NAMED}
+    values.update({name: derive(sampling, tokenizer, vocab_size) for name, derive in DERIVED.items()})
+    return SamplerSettings(**values)
 
 
 def dry_sequence_breakers(sampling: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
@@ -117,21 +144,26 @@ def xtc_spared_tokens(sampling: SamplingParams, tokenizer: Tokenizer, vocab_size
 
 
 def engine_constraint(wire: OutputConstraint) -> Constraint:
-    """The engine's Constraint for the request's, compiled here on the task thread (and cached), so
-    a grammar that does not compile fails the request naming it and never reaches the engine loop."""
-    if isinstance(wire, JsonSchemaConstraint):
-        constraint = Constraint.json_schema(wire.json_schema)
-    elif isinstance(wire, JsonObjectConstraint):
-        constraint = Constraint.json_object()
-    elif isinstance(wire, RegexConstraint):
-        constraint = Constraint.regex(wire.pattern)
-    elif isinstance(wire, ChoiceConstraint):
-        constraint = Constraint.choice(wire.choices)
-    else:
-        assert isinstance(wire, GrammarConstraint)
-        constraint = Constraint.grammar(wire.grammar, wire.syntax)
+    """The engine's Constraint for the request's (from the protocol's one conversion, grammar_source),
+    compiled here on the task thread (and cached), so a grammar that does not compile fails the
+    request naming it and never reaches the engine loop."""
+    return _compiled(Constraint(*grammar_source(wire)), "constraint")
+
+
+def _compiled(constraint: Constraint, field: str) -> Constraint:
+    """constraint, compiled (and cached) here, or a ProtocolError naming the request's field."""
     try:
         compiled_grammar(constraint)
     except ValueError as error:
-        raise ProtocolError([f"constraint: {error}"]) from None
+        raise ProtocolError([f"{field}: {error}"]) from None
     return constraint
+
+
+DERIVED: dict[str, Callable[[SamplingParams, Tokenizer, int], tuple[int, ...]]] = {
+    "dry_sequence_breakers": dry_sequence_breakers,  # strings on the wire, token ids in the engine
+    "xtc_ignore_tokens": xtc_spared_tokens,  # not on the wire: exllamav2's default set
+}
+"""Engine sampling fields whose wire name or value differs."""
+SAME_NAMED = tuple(f.name for f in fields(SamplerSettings)
+                   if f.name in SamplingParams.model_fields and f.name not in DERIVED)
+"""Engine sampling fields the wire sends under the same name and meaning."""

@@ -2,8 +2,15 @@
 
 Task threads hand it Submissions; between iterate() calls it drains them into
 the generator, applies cancellations and deadlines, then runs one step and
-publishes every event of that step in one Redis pipeline before waking the
-task threads whose jobs finished. Idle, it sleeps on a condition variable.
+hands every event of that step (worker/events.py makes them from the engine's
+outputs) to the publishing thread, which sends them in one Redis pipeline
+before waking the task threads whose jobs finished. The final events and
+results of the requests that ended in the step are built and published after
+that by a third thread, the finishing thread: a result with logprobs is the
+heaviest thing the worker makes, and neither the loop nor the other requests'
+streams wait for it. Idle, the loop sleeps on a condition variable. On
+shutdown it drains: no new jobs, and those still running when the grace period
+ends are requeued.
 """
 
 from __future__ import annotations
@@ -15,22 +22,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
-from engine import EngineOutput, FinishReason, Generator, Job, JobRejected, QueueFull, Stage
-from engine.outputs import TokenLogprob as EngineTokenLogprob
-from producer.protocol import (
-    Choice,
-    GenerationRequest,
-    GenerationResult,
-    StreamEvent,
-    Timings,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-    finish_reason_from_eos,
-)
-from producer.protocol import FinishReason as FinishReasonName
+from engine import EngineOutput, FinishReason, Generator, Job, JobRejected, QueueFull
+from producer.protocol import FinishReason as WireFinishReason
+from producer.protocol import GenerationRequest, StreamEvent, Timings, Usage
+from worker.events import Outcome, RequestEvents, StoredResult, sample_of
 from worker.publisher import Publisher, PublishingThread
 
 log = logging.getLogger(__name__)
@@ -51,7 +49,7 @@ class Submission:
 
     `jobs` holds one engine job, or the request's n samples (Job.samples: identifiers
     (identifier, i)), enqueued together so that they share the prompt's pages; the request
-    ends when every sample has, and `outputs` keeps each sample's final engine output."""
+    ends when every sample has. `stream` turns the samples' outputs into wire events."""
 
     identifier: str
     attempt: int
@@ -61,29 +59,25 @@ class Submission:
     task_id: str = ""
     cancel_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
-    result: GenerationResult | None = None
+    result: StoredResult | None = None
     error: str | None = None
     requeue: bool = False
     duplicate: bool = False
-    seq: int = 0
     expired: bool = False
-    started: bool = False
-    outputs: dict[int, EngineOutput] = field(default_factory=dict)
+    stream: RequestEvents = field(init=False, repr=False)
 
-    def event(self, kind: str, **fields: Any) -> StreamEvent:
-        event = StreamEvent(id=self.identifier, seq=self.seq, attempt=self.attempt, event=kind, **fields)
-        self.seq += 1
-        return event
+    def attach(self, token_text: Callable[[int], str]) -> None:
+        """Give the submission its wire stream (the loop knows how token ids read)."""
+        self.stream = RequestEvents(self.identifier, self.attempt, self.request, len(self.jobs), token_text)
 
-    def chunk(self, text: str, token_ids: list[int] | None, logprobs: list[TokenLogprob] | None = None,
-              index: int | None = None) -> StreamEvent:
-        """The per-token event, built without validation: every field comes from this
-        worker (a checked identifier, its own counters, the engine's text and ids), and
-        validating it cost more than the rest of the event's path."""
-        event = StreamEvent.model_construct(id=self.identifier, seq=self.seq, attempt=self.attempt, event="chunk",
-                                            text=text, token_ids=token_ids, logprobs=logprobs, index=index)
-        self.seq += 1
-        return event
+
+@dataclass(frozen=True)
+class Concluded:
+    """A request that ended in a step; the finishing thread builds its final event and result
+    (worker/events.py: conclude, finish)."""
+
+    submission: Submission
+    outcome: Outcome
 
 
 @dataclass
@@ -104,7 +98,8 @@ class EngineLoop:
                  on_finished: Callable[[Timings, Usage], None] | None = None) -> None:
         self.generator = generator
         self.on_finished = on_finished
-        self.publishing = PublishingThread(publisher)
+        self.publishing = PublishingThread(publisher, "genq-publisher")
+        self.finishing = PublishingThread(publisher, "genq-finisher")
         self.counters = LoopCounters()
         self._early_cancels: dict[str, float] = {}
         self._cond = threading.Condition()
@@ -115,6 +110,7 @@ class EngineLoop:
         self._drain_deadline: float | None = None
         self._exit_when_idle = False
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._token_texts: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name="genq-engine-loop", daemon=True)
 
     # -- called from other threads -------------------------------------------
@@ -126,6 +122,7 @@ class EngineLoop:
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the worker is shutting down")
+            submission.attach(self._token_text)
             self._inbox.append(submission)
             self.counters.submitted += 1
             self._cond.notify()
@@ -166,6 +163,7 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join()
         self.publishing.stop()
+        self.finishing.stop()
 
     def stats(self) -> dict[str, Any]:
         """Engine + loop figures for `celery inspect stats` / Flower."""
@@ -222,6 +220,7 @@ class EngineLoop:
 
     def _step(self, inbox: list[Submission], cancels: set[str], requeue_all: bool) -> None:
         events: list[StreamEvent] = []
+        concluded: list[Concluded] = []
         finished: list[Submission] = []
         self._remember_early_cancels(cancels)
         for submission in inbox:
@@ -243,20 +242,35 @@ class EngineLoop:
         self.counters.steps += 1
         generated = 0
         for result in results:
-            identifier, index = _sample_of(result.identifier)
-            submission = self._active.get(identifier)
-            if submission is None:
+            identifier, index = sample_of(result.identifier)
+            owner = self._active.get(identifier)
+            if owner is None:
                 continue
             generated += len(result.token_ids)
-            if self._translate(submission, index, result, events):
+            if self._on_output(owner, index, result, events, concluded):
                 del self._active[identifier]
-                finished.append(submission)
+                finished.append(owner)
         if generated:
             self._recent_tokens.append((time.monotonic(), generated))
             while self._recent_tokens and time.monotonic() - self._recent_tokens[0][0] > TOKENS_PER_SECOND_WINDOW_S:
                 self._recent_tokens.popleft()
-        finals = {s.task_id: json.dumps(s.result.to_dict()) for s in finished if s.result is not None and s.task_id}
-        self.publishing.submit(events, then=lambda: _wake(finished), finals=finals)
+        self._publish(events, finished, concluded)
+
+    def _publish(self, events: list[StreamEvent], finished: list[Submission], concluded: list[Concluded]) -> None:
+        """The step's events go out first (with the results of requests that ended without
+        reaching the engine); their tasks wake then. The concluded requests are handed to the
+        finishing thread after that, so each final event follows its request's chunks, and
+        their tasks wake once it is out: a result never precedes its stream."""
+        later = {id(c.submission) for c in concluded}
+        now = [s for s in finished if id(s) not in later]
+
+        def published() -> None:
+            _wake(now)
+            if concluded:
+                self.finishing.submit(partial(_endings, concluded),
+                                      then=partial(_wake, [c.submission for c in concluded]))
+
+        self.publishing.submit(partial(_with_results, events, now), then=published)
 
     def _remember_early_cancels(self, cancels: set[str]) -> None:
         """A cancel can overtake its request (the task thread has not submitted it
@@ -282,8 +296,9 @@ class EngineLoop:
             finished.append(submission)
         elif submission.cancel_requested or self._early_cancels.pop(submission.identifier, None) is not None:
             self.counters.cancelled += 1
-            events.append(submission.event("cancelled", finish_reason="cancelled"))
-            submission.result = _empty_result(submission, "cancelled")
+            ending = submission.stream.cancelled(prompt_tokens=len(submission.jobs[0].input_ids))
+            events.append(ending.event)
+            submission.result = ending.result
             finished.append(submission)
         else:
             try:
@@ -297,117 +312,54 @@ class EngineLoop:
                 ) -> None:
         self.counters.failed += 1
         submission.error = message
-        events.append(submission.event("error", finish_reason="error", error=message))
+        events.append(submission.stream.error(message))
         finished.append(submission)
 
-    def _translate(self, submission: Submission, index: int, result: EngineOutput, events: list[StreamEvent]
-                   ) -> bool:
-        """One sample's engine result -> stream events; True when the request has ended (its
-        final event and, unless it failed or is requeued, its result are made)."""
-        options = submission.request.stream
-        if result.stage is Stage.STARTED:
-            if not submission.started:
-                submission.started = True
-                events.append(submission.event("started"))
+    def _on_output(self, submission: Submission, index: int, output: EngineOutput, events: list[StreamEvent],
+                   concluded: list[Concluded]) -> bool:
+        """One sample's engine output -> stream events; True when the request has ended (its
+        final event is made, or, when it concluded, its final event and result are to be made)."""
+        stream = submission.stream
+        events.extend(stream.progress(index, output))
+        if not output.eos:
             return False
-        token_ids = result.token_ids if options.include_token_ids else None
-        logprobs = self._wire_logprobs(result.logprobs) if result.logprobs else None
-        if options.enabled and (result.text or token_ids or logprobs):
-            events.append(submission.chunk(result.text, token_ids, logprobs,
-                                           index if submission.request.n > 1 else None))
-        if not result.eos:
-            return False
-        if result.eos_reason is FinishReason.ERROR and not submission.requeue:
+        if output.eos_reason is FinishReason.ERROR and not submission.requeue:
             # This sample alone failed in the step (the batch carries on); its siblings stop too.
             for job in submission.jobs:
                 self.generator.cancel(job)
             self.counters.failed += 1
-            submission.error = result.error or "engine error"
-            events.append(submission.event("error", finish_reason="error", error=submission.error))
+            submission.error = output.error or "engine error"
+            events.append(stream.error(submission.error))
             return True
-        submission.outputs[index] = result
-        if len(submission.outputs) < len(submission.jobs):
+        if not stream.record(index, output):
             return False
         if submission.requeue:
             self.counters.requeued += 1
-        else:
-            self._finish(submission, events)
+            return True
+        outcome = stream.conclude(submission.expired)
+        self._count_ending(outcome.finish_reason)
+        if self.on_finished is not None:
+            self.on_finished(outcome.timings, outcome.usage)
+        concluded.append(Concluded(submission, outcome))
         return True
 
-    def _finish(self, submission: Submission, events: list[StreamEvent]) -> None:
-        """The final event and result of a request whose samples have all ended."""
-        outputs = [submission.outputs[i] for i in range(len(submission.jobs))]
-        choices = [self._choice(submission, i, output) for i, output in enumerate(outputs)]
-        if submission.expired:
-            finish_reason, kind = "deadline", "done"
+    def _count_ending(self, finish_reason: WireFinishReason) -> None:
+        if finish_reason == "deadline":
             self.counters.expired += 1
-        elif any(output.eos_reason is FinishReason.CANCELLED for output in outputs):
-            finish_reason, kind = "cancelled", "cancelled"
+        elif finish_reason == "cancelled":
             self.counters.cancelled += 1
         else:
-            finish_reason, kind = choices[0].finish_reason, "done"
             self.counters.completed += 1
-        first = outputs[0]
-        usage = Usage(
-            prompt_tokens=first.prompt_tokens,
-            completion_tokens=sum(output.new_tokens or 0 for output in outputs),
-            cached_tokens=first.cached_tokens,
-        )
-        timings = Timings(queued_s=first.time_enqueued, prefill_s=first.time_prefill,
-                          generate_s=max(output.time_generate or 0.0 for output in outputs))
-        if self.on_finished is not None:
-            self.on_finished(timings, usage)
-        include_ids = submission.request.stream.include_token_ids
-        many = submission.request.n > 1
-        events.append(
-            submission.event(
-                kind,
-                text=choices[0].text,
-                token_ids=choices[0].token_ids if include_ids else None,
-                logprobs=choices[0].logprobs,
-                finish_reason=finish_reason,
-                usage=usage,
-                timings=timings,
-                choices=[c if include_ids else c.model_copy(update={"token_ids": None}) for c in choices]
-                if many else None,
-            )
-        )
-        submission.result = GenerationResult(
-            id=submission.identifier,
-            attempt=submission.attempt,
-            text=choices[0].text,
-            token_ids=choices[0].token_ids or [],
-            logprobs=choices[0].logprobs,
-            finish_reason=finish_reason,
-            usage=usage,
-            timings=timings,
-            metadata=submission.request.metadata,
-            choices=choices if many else None,
-        )
-
-    def _choice(self, submission: Submission, index: int, output: EngineOutput) -> Choice:
-        """A sample's whole output; a sample the deadline cut ends in "deadline"."""
-        if output.eos_reason is FinishReason.CANCELLED and submission.expired:
-            finish_reason: str = "deadline"
-        else:
-            finish_reason = finish_reason_from_eos(output.eos_reason)
-        logprobs = (self._wire_logprobs(output.completion_logprobs)
-                    if output.completion_logprobs is not None else None)
-        return Choice(index=index, text=output.full_completion or "", token_ids=output.completion_ids or [],
-                      logprobs=logprobs, finish_reason=finish_reason)
-
-    def _wire_logprobs(self, logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
-        """The engine's logprobs with each token's text, built without re-validation (as chunk())."""
-        decode = self._token_text
-        return [
-            TokenLogprob.model_construct(
-                token_id=lp.token_id, token=decode(lp.token_id), logprob=lp.logprob,
-                top_logprobs=[TopLogprob.model_construct(token_id=t, token=decode(t), logprob=v) for t, v in lp.top])
-            for lp in logprobs
-        ]
 
     def _token_text(self, token_id: int) -> str:
-        return self.generator.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's text alone, for logprobs; remembered, since a logprob list names the same
+        tokens again and again (20 alternatives a token). Called by the loop and the finishing
+        thread: a lost race decodes a token twice, alike."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.generator.tokenizer.decode([token_id],
+                                                                                  skip_special_tokens=False)
+        return text
 
     def _fail_all(self, message: str) -> None:
         events: list[StreamEvent] = []
@@ -417,31 +369,24 @@ class EngineLoop:
             for job in submission.jobs:
                 self.generator.cancel(job)
             self._reject(submission, message, events, [])
-        self.publishing.submit(events, then=lambda: _wake(failed))
+        self.publishing.submit(partial(_with_results, events, []), then=partial(_wake, failed))
+
+
+def _with_results(events: list[StreamEvent], finished: list[Submission]) -> tuple[list[StreamEvent], dict[str, str]]:
+    """A step's events, and the results (task id -> JSON) of the finished tasks that have one."""
+    return events, {s.task_id: json.dumps(s.result.to_dict()) for s in finished if s.result is not None and s.task_id}
+
+
+def _endings(concluded: list[Concluded]) -> tuple[list[StreamEvent], dict[str, str]]:
+    """On the finishing thread: the concluded requests' final events, and their results."""
+    events = []
+    for c in concluded:
+        ending = c.submission.stream.finish(c.outcome)
+        c.submission.result = ending.result
+        events.append(ending.event)
+    return _with_results(events, [c.submission for c in concluded])
 
 
 def _wake(submissions: list[Submission]) -> None:
     for submission in submissions:
         submission.done.set()
-
-
-def _sample_of(identifier: object) -> tuple[object, int]:
-    """(request identifier, sample index) of an engine result: Job.samples names its
-    children (identifier, i); a lone job is sample 0."""
-    if isinstance(identifier, tuple):
-        return identifier[0], identifier[1]
-    return identifier, 0
-
-
-def _empty_result(submission: Submission, finish_reason: FinishReasonName) -> GenerationResult:
-    choices = [Choice(index=i, text="", finish_reason=finish_reason) for i in range(submission.request.n)]
-    return GenerationResult(
-        id=submission.identifier,
-        attempt=submission.attempt,
-        text="",
-        finish_reason=finish_reason,
-        usage=Usage(prompt_tokens=len(submission.jobs[0].input_ids)),
-        timings=Timings(),
-        metadata=submission.request.metadata,
-        choices=choices if submission.request.n > 1 else None,
-    )

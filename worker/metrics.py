@@ -1,4 +1,5 @@
-"""Prometheus metrics of one worker, served over HTTP for alerting and autoscaling.
+"""The engine's figures for operators: Prometheus metrics of one worker, served
+over HTTP for alerting and autoscaling, and the readable lines Flower shows.
 
 Gauges and counters are read from the engine loop's stats at scrape time (the
 engine already counts them; nothing is counted twice), so a scrape always sees
@@ -8,7 +9,7 @@ histograms are observed by the engine loop as each request finishes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -18,6 +19,33 @@ from producer.protocol import Timings, Usage
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 OUTCOMES = ("completed", "failed", "cancelled", "expired", "requeued")
+#: What the names of the engine's lines in a worker's `celery inspect stats` (Flower's "Other" tab) begin with.
+STATS_PREFIX = "genq "
+
+
+def readable_stats(s: Mapping[str, Any] | None, rate_window_s: float) -> dict[str, str]:
+    """The engine loop's stats (None while the model loads; tokens/s measured over rate_window_s) as
+    Flower's worker page shows a worker's stats: one row per name, here one line per topic with its
+    units, instead of one raw dict. The numbers themselves are `celery inspect engine_stats` and
+    the Prometheus metrics."""
+    if s is None:
+        return {f"{STATS_PREFIX}engine": "loading the model"}
+    used = 100 * s["pages_used"] / s["pages_total"] if s["pages_total"] else 0.0
+    outcomes = ", ".join(f"{s[outcome]:,} {outcome}" for outcome in OUTCOMES)
+    lines = {
+        "jobs": f"{s['active_jobs']:,} running, {s['pending_jobs']:,} waiting; peak batch {s['peak_active_jobs']:,}",
+        "KV cache": f"{s['pages_used']:,} of {s['pages_total']:,} pages in use ({used:.1f} %), {s['pages_cached']:,} "
+                    f"cached, {s['pages_free']:,} free; {s['page_size']:,} tokens per page",
+        "throughput": f"{s['generated_tokens_per_s']:,.1f} tokens/s over the last {rate_window_s:.0f} s",
+        "tokens": f"{s['generated_tokens']:,} generated; prompts {s['prompt_tokens_computed']:,} computed, "
+                  f"{s['prompt_tokens_cached']:,} from the prefix cache ({100 * s['prefix_hit_rate']:.1f} % hit rate)",
+        "requests": f"{s['submitted']:,} submitted: {outcomes}",
+        "preemptions": f"{s['preemptions']:,}",
+        "speculative decoding": f"{s['accepted_draft_tokens']:,} of {s['drafted_tokens']:,} draft tokens accepted "
+                                f"({100 * s['draft_acceptance_rate']:.1f} %)",
+        "engine loop": f"{s['steps']:,} steps, busy {s['busy_s']:,.1f} s",
+    }
+    return {f"{STATS_PREFIX}{name}": line for name, line in lines.items()}
 
 
 class EngineCollector:

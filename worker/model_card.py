@@ -1,6 +1,8 @@
 """Publishing this worker's model card (producer/model_card.py): its vocabulary, its context
-length and its tokenizer, so that the gateway can refuse what this worker would refuse before a
-streamed request has been answered with HTTP 200.
+length, its tokenizer, its chat templates and the formats its model writes tool calls and
+thoughts in, so that the gateway can refuse what this worker would refuse before a streamed
+request has been answered with HTTP 200, read streamed tool calls and thoughts as the worker
+reads them, and answer POST /tokenize as this worker would encode the request.
 
 The worker publishes once its engine is ready, rewrites its entry every 5 s from the control
 listener's thread, with its job leases (so a Redis that restarted empty has it back within
@@ -15,15 +17,26 @@ import time
 import redis
 
 from engine import Generator
-from producer.model_card import CARD_TTL_S, WorkerCard, card_key, tokenizer_key
+from producer.chat_rendering import model_reasoning_format, model_tool_format
+from producer.model_card import (
+    CARD_TTL_S,
+    CHAT_TEMPLATE_JSON,
+    WorkerCard,
+    card_key,
+    chat_template_key,
+    tokenizer_key,
+)
 
 log = logging.getLogger(__name__)
 
 
-def describe(generator: Generator, model: str) -> tuple[WorkerCard, str]:
-    """The card of `generator` (its heartbeat not yet set) and its tokenizer's JSON."""
+def describe(generator: Generator, model: str) -> tuple[WorkerCard, str, str | None]:
+    """The card of `generator` (its heartbeat not yet set), its tokenizer's JSON and its chat
+    template's JSON (None without a chat template)."""
     tokenizer = generator.tokenizer
     tokenizer_json = tokenizer.backend.to_str()
+    chat = tokenizer.chat
+    template_json = CHAT_TEMPLATE_JSON.dump_json(chat).decode() if chat.template else None
     # What tokenizer.encode does on top of the backend's own special tokens (engine/tokenizer.py):
     # the same for every text, so one probe measures it.
     probe = "a"
@@ -31,36 +44,46 @@ def describe(generator: Generator, model: str) -> tuple[WorkerCard, str]:
     card = WorkerCard(model=model, vocab_size=generator.model.config.vocab_size, max_seq_len=generator.max_seq_len,
                       add_bos=tokenizer.add_bos_token, bos_correction=correction,
                       chat_template=bool(tokenizer.chat_template),
-                      tokenizer_digest=hashlib.sha256(tokenizer_json.encode()).hexdigest(), heartbeat_at=0.0)
-    return card, tokenizer_json
+                      tool_format=model_tool_format(chat), reasoning_format=model_reasoning_format(chat),
+                      tokenizer_digest=_digest(tokenizer_json), bos_token_id=tokenizer.bos_token_id,
+                      chat_template_digest=None if template_json is None else _digest(template_json),
+                      heartbeat_at=0.0)
+    return card, tokenizer_json, template_json
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class CardPublisher:
-    """Keeps this worker's entry in `{prefix}:card:{queue}` and the tokenizer key alive. Redis
-    errors are logged, never raised: the card only lets producers fail early."""
+    """Keeps this worker's entry in `{prefix}:card:{queue}`, the tokenizer key and the chat
+    template key alive. Redis errors are logged, never raised: the card only lets producers fail
+    early (and answer /tokenize without a worker)."""
 
     def __init__(self, client: redis.Redis, prefix: str, queue: str, node: str, card: WorkerCard,
-                 tokenizer_json: str) -> None:
+                 tokenizer_json: str, chat_template_json: str | None) -> None:
         self.client = client
         self.node = node
         self.card = card
-        self.tokenizer_json = tokenizer_json
         self.card_key = card_key(queue, prefix)
         if self.card_key is None:
             log.warning("queue %r cannot name a model card key: no card is published (the gateway will not check "
                         "requests before queueing)", queue)
-        self.tokenizer_key = tokenizer_key(card.tokenizer_digest, prefix)
+        self.blobs = {tokenizer_key(card.tokenizer_digest, prefix): tokenizer_json}
+        if card.chat_template_digest is not None and chat_template_json is not None:
+            self.blobs[chat_template_key(card.chat_template_digest, prefix)] = chat_template_json
 
     def heartbeat(self) -> None:
-        """Write this worker's entry with the current time; the tokenizer JSON only when Redis
-        does not hold it (first start, or a Redis that lost it)."""
+        """Write this worker's entry with the current time; the tokenizer and chat template JSON
+        only when Redis does not hold them (first start, or a Redis that lost them)."""
         if self.card_key is None:
             return
         entry = self.card.model_copy(update={"heartbeat_at": time.time()}).model_dump_json()
         try:
-            # The tokenizer first: a reader that finds the entry finds its tokenizer.
-            if not self.client.expire(self.tokenizer_key, CARD_TTL_S):
-                self.client.set(self.tokenizer_key, self.tokenizer_json, ex=CARD_TTL_S)
+            # What the entry names first: a reader that finds the entry finds its tokenizer and template.
+            for key, text in self.blobs.items():
+                if not self.client.expire(key, CARD_TTL_S):
+                    self.client.set(key, text, ex=CARD_TTL_S)
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(self.card_key, self.node, entry)
             pipe.expire(self.card_key, CARD_TTL_S)

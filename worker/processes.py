@@ -26,6 +26,8 @@ import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
+from worker.metrics import STATS_PREFIX
+
 ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 60.0
 Persistence = Literal["aof", "none"]
@@ -56,95 +58,9 @@ def reachable(url: str) -> bool:
         return False
 
 
-def stop_process(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within the timeout."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-class RedisServer:
-    """A private redis-server on a free port. With persistence="aof" (the
-    default, as in docker-compose) it keeps an fsync-every-second append-only
-    file in workdir, so a restart (graceful or kill -9) keeps queued tasks and
-    results, and restart() brings it back on the same port. `replica_of`
-    makes it a replica of the server on that port (the Sentinel tests)."""
-
-    def __init__(self, workdir: Path, persistence: Persistence = "aof", port: int | None = None,
-                 replica_of: int | None = None) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (e.g. `apt-get install redis-server`)")
-        self.binary = binary
-        self.workdir = workdir
-        self.persistence = persistence
-        self.replica_of = replica_of
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def version(self) -> str:
-        banner = subprocess.run([self.binary, "--version"], capture_output=True, text=True, check=True).stdout
-        return banner.split("v=", 1)[-1].split()[0]  # "Redis server v=7.0.15 sha=..." -> "7.0.15"
-
-    def args(self) -> list[str]:
-        durable = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.persistence == "aof" else [
-            "--appendonly", "no"]
-        replica = ["--replicaof", "127.0.0.1", str(self.replica_of)] if self.replica_of else []
-        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *durable, *replica,
-                "--dir", str(self.workdir)]
-
-    def start(self, timeout: float = 20.0) -> Self:
-        """Start it in its own session (a terminal's Ctrl-C reaches only the parent) and wait for PING."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = (self.workdir / "redis.log").open("ab")
-        self.process = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        process = self.process
-
-        def up() -> bool:
-            if process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {process.returncode} (port {self.port})")
-            return reachable(self.url)
-
-        try:
-            wait_until(up, timeout, "redis-server to answer PING")
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        """Graceful: SIGTERM (redis-server flushes its append-only file and exits)."""
-        if self.process is not None:
-            stop_process(self.process, 20)
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, nothing flushed beyond what AOF already wrote."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def restart(self, graceful: bool = True) -> None:
-        self.stop() if graceful else self.kill()
-        self.start()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def genq_command(*args: str, log_level: str = "INFO") -> list[str]:
+def genq_command(*args: str) -> list[str]:
     """`genq ...` as this interpreter runs it (no console script needed)."""
-    return [sys.executable, "-m", "worker.cli", "--log-level", log_level, *args]
+    return [sys.executable, "-m", "worker.cli", "--log-level", "INFO", *args]
 
 
 @dataclass
@@ -189,8 +105,14 @@ class ChildProcess:
         return self.process.wait(timeout)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        if self.process is not None:
-            stop_process(self.process, timeout)
+        """SIGTERM, then SIGKILL if it has not exited within the timeout."""
+        if not self.running():
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -202,28 +124,77 @@ class ChildProcess:
         self.stop()
 
 
+class RedisServer(ChildProcess):
+    """A private redis-server on a free port. With persistence="aof" (the
+    default, as in docker-compose) it keeps an fsync-every-second append-only
+    file in workdir, so a restart (graceful or kill -9) keeps queued tasks and
+    results, and restart() brings it back on the same port. `replica_of`
+    makes it a replica of the server on that port (the Sentinel tests)."""
+
+    def __init__(self, workdir: Path, persistence: Persistence = "aof", replica_of: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (e.g. `apt-get install redis-server`)")
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        durable = ["--appendonly", "yes", "--appendfsync", "everysec"] if persistence == "aof" else [
+            "--appendonly", "no"]
+        replica = ["--replicaof", "127.0.0.1", str(replica_of)] if replica_of else []
+        super().__init__("redis-server", [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                          *durable, *replica, "--dir", str(workdir.resolve())], workdir / "redis.log")
+
+    @property
+    def version(self) -> str:
+        banner = subprocess.run([self.args[0], "--version"], capture_output=True, text=True, check=True).stdout
+        return banner.split("v=", 1)[-1].split()[0]  # "Redis server v=7.0.15 sha=..." -> "7.0.15"
+
+    def start(self, timeout: float = 20.0) -> Self:
+        """Start it and wait for PING."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        super().start()
+
+        def up() -> bool:
+            self.check_alive()
+            return reachable(self.url)
+
+        try:
+            wait_until(up, timeout, "redis-server to answer PING")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def restart(self, graceful: bool = True) -> None:
+        """Graceful (SIGTERM: redis-server flushes its append-only file and exits), or a crash
+        (SIGKILL: nothing flushed beyond what the append-only file already holds)."""
+        self.stop() if graceful else self.kill()
+        self.start()
+
+
 class FlowerProcess(ChildProcess):
     """`genq flower` on a free port with its /api open (FLOWER_UNAUTHENTICATED_API)."""
 
-    def __init__(self, redis_url: str, log_path: Path, port: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(self, redis_url: str, log_path: Path, port: int | None = None) -> None:
         self.port = port or free_port()
         super().__init__("flower", genq_command("flower", "--port", str(self.port), "--redis-url", redis_url),
-                         log_path, {**(env if env is not None else os.environ), "FLOWER_UNAUTHENTICATED_API": "true"})
+                         log_path, {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"})
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
 
-    def engine_stats(self, nodes: list[str]) -> dict[str, dict[str, Any]] | None:
-        """Each node's engine stats as Flower's /api/workers shows them; None until it shows them all."""
+    def engine_stats(self, nodes: list[str]) -> dict[str, dict[str, str]] | None:
+        """Each node's engine lines (worker.metrics.readable_stats) as Flower's /api/workers shows
+        them; None until it shows them all, the engines loaded."""
         try:
             with urllib.request.urlopen(f"{self.url}api/workers?refresh=1", timeout=10) as reply:
                 workers = json.load(reply)
         except OSError:
             return None
-        engines = {node: workers.get(node, {}).get("stats", {}).get("engine") for node in nodes}
-        return engines if all(isinstance(e, dict) for e in engines.values()) else None
+        engines = {node: {name: value for name, value in workers.get(node, {}).get("stats", {}).items()
+                          if name.startswith(STATS_PREFIX)} for node in nodes}
+        return engines if all(f"{STATS_PREFIX}jobs" in e for e in engines.values()) else None
 
 
 class WorkerProcess(ChildProcess):

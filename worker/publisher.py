@@ -2,10 +2,24 @@
 every event of the step, each both PUBLISHed on its request's channel (live
 subscribers) and XADDed to its replay stream (late or reconnecting ones).
 
+Each stream entry's ID is `{attempt}-{seq}`, so a pipeline resent after Redis
+dropped the connection mid-reply (it may have applied it) cannot add an event
+twice: Redis refuses an ID not above the stream's last one, and that refusal is
+the proof the event is already there. Live subscribers may see a resent
+PUBLISH twice; readers skip events at or before their (attempt, seq) cursor.
+
+A stream is trimmed to `stream_maxlen` events, or to its attempt's events so
+far when that is more: the attempt being streamed is never cut, whatever its
+length (n samples of max_new_tokens chunks each), so a reader arriving at any
+time before the stream expires rebuilds the whole text; only the events of
+earlier attempts, which readers discard, are trimmed.
+
 The same pipeline records each finished task's result under
 `{prefix}:final:{task id}`: a worker killed after the final event but before
 Celery stored the result leaves a redelivered message, and the next worker
-answers it from this record instead of generating (and streaming) it again."""
+answers it from this record instead of generating (and streaming) it again.
+Once Celery has stored the result the record is deleted (forget_final): the
+result backend is the one stored copy of a result."""
 
 from __future__ import annotations
 
@@ -18,7 +32,15 @@ from typing import Any
 
 import redis
 
-from producer.protocol import STREAM_FIELD, StreamEvent, attempt_key, cancel_key, channel_name, stream_key
+from producer.protocol import (
+    STREAM_FIELD,
+    StreamEvent,
+    attempt_key,
+    cancel_key,
+    channel_name,
+    final_key,
+    stream_key,
+)
 from worker.redelivery import with_redis_retries
 
 log = logging.getLogger(__name__)
@@ -44,19 +66,35 @@ class Publisher:
             payload = event.to_json()
             key = stream_key(event.id, self.key_prefix)
             pipe.publish(channel_name(event.id, self.key_prefix), payload)
-            pipe.xadd(key, {STREAM_FIELD: payload}, maxlen=self.stream_maxlen, approximate=True)
+            # The trim keeps at least maxlen entries (approximate: whole nodes only), and this
+            # attempt has seq + 1 of them so far.
+            pipe.xadd(key, {STREAM_FIELD: payload}, id=f"{event.attempt}-{event.seq}",
+                      maxlen=max(self.stream_maxlen, event.seq + 1), approximate=True)
             # The expiry is (re)set when a stream begins and ends and every EXPIRY_REFRESH_EVENTS
-            # events in between (not per chunk: it is a third of the commands).
+            # events in between (not per chunk: it is a third of the commands). The attempt counter
+            # lives as long as its stream, so a reused identifier's IDs always grow.
             if event.event == "started" or event.is_terminal or event.seq % EXPIRY_REFRESH_EVENTS == 0:
                 pipe.expire(key, self.stream_ttl_s)
+                pipe.expire(attempt_key(event.id, self.key_prefix), self.stream_ttl_s)
         for task_id, result in (finals or {}).items():
             pipe.set(final_key(task_id, self.key_prefix), result, ex=self.final_ttl_s)
-        pipe.execute()
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, redis.ResponseError) and not _already_added(reply):
+                raise reply
 
     def final_result(self, task_id: str) -> dict[str, Any] | None:
         """The result this task's final event was published with, if any."""
         stored = self.client.get(final_key(task_id, self.key_prefix))
         return json.loads(stored) if stored is not None else None
+
+    def forget_final(self, task_id: str) -> None:
+        """Drop a task's final record once the result backend holds its result (a redelivery
+        then finds the result there). Not deleted (Redis away), it expires."""
+        try:
+            self.client.delete(final_key(task_id, self.key_prefix))
+        except redis.RedisError:
+            log.warning("could not delete the final record of task %s; it expires in %d s", task_id,
+                        self.final_ttl_s)
 
     def begin_attempt(self, identifier: str) -> tuple[int, bool]:
         """(attempt number, cancel requested?) in one round trip: 1 for the first
@@ -70,25 +108,30 @@ class Publisher:
         return int(attempt), bool(cancelled)
 
 
-def final_key(task_id: str, prefix: str) -> str:
-    return f"{prefix}:final:{task_id}"
+def _already_added(error: redis.ResponseError) -> bool:
+    """XADD's refusal of an explicit ID at or below the stream's last entry."""
+    return "equal or smaller than the target stream top item" in str(error)
+
+
+Step = Callable[[], tuple[list[StreamEvent], dict[str, str]]]
+"""Builds a step's events and finals (task id -> result JSON), on the publishing thread."""
 
 
 class PublishingThread:
-    """Publishes each step's events off the engine loop, in order, so the next
-    forward overlaps the Redis round trip; `then` runs after the step's events
-    are out (it wakes the task threads, so a result never precedes its stream)."""
+    """Builds and publishes steps' events off the engine loop, in order, so the
+    next forward overlaps the Redis round trip; `then` runs after a step's
+    events are out (it wakes the task threads, so a result never precedes its
+    stream). The engine loop has two: one for each step's events, one for the
+    final events and results of the requests that ended (worker/loop.py)."""
 
-    def __init__(self, publisher: Publisher) -> None:
+    def __init__(self, publisher: Publisher, name: str) -> None:
         self.publisher = publisher
-        self._queue: queue.SimpleQueue[tuple[list[StreamEvent], dict[str, str], Callable[[], None]] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name="genq-publisher", daemon=True)
+        self._queue: queue.SimpleQueue[tuple[Step, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, events: list[StreamEvent], then: Callable[[], None], finals: dict[str, str] | None = None
-               ) -> None:
-        self._queue.put((events, finals or {}, then))
+    def submit(self, step: Step, then: Callable[[], None]) -> None:
+        self._queue.put((step, then))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -96,9 +139,12 @@ class PublishingThread:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            events, finals, then = item
+            step, then = item
             try:
+                events, finals = step()
                 self._publish_with_retries(events, finals)
+            except Exception:  # noqa: BLE001 - the thread must outlive one bad step, or every later one hangs
+                log.exception("could not build or publish a step's events")
             finally:
                 then()
 

@@ -39,10 +39,10 @@ REDIS_RETRY_BUDGET_S = 60.0
 """How long a task thread waits for Redis to come back (a restart loading its append-only file)."""
 
 
-def with_redis_retries(call: Callable[[], T], what: str, budget_s: float = REDIS_RETRY_BUDGET_S) -> T:
+def with_redis_retries(call: Callable[[], T], what: str) -> T:
     """Retry a Redis call with exponential backoff while Redis restarts; the
-    last error propagates once the budget is spent."""
-    deadline = time.monotonic() + budget_s
+    last error propagates once REDIS_RETRY_BUDGET_S is spent."""
+    deadline = time.monotonic() + REDIS_RETRY_BUDGET_S
     delay = 0.1
     while True:
         try:
@@ -53,6 +53,13 @@ def with_redis_retries(call: Callable[[], T], what: str, budget_s: float = REDIS
             log.warning("%s: Redis unavailable (%s); retrying in %.1f s", what, error, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+def _decoded(reply: bytes | str) -> str:
+    """A string reply of the worker's client, which does not decode responses (redis-py types
+    replies for either setting of decode_responses)."""
+    assert isinstance(reply, bytes), "the worker's Redis client does not decode responses"
+    return reply.decode()
 
 
 class Redeliveries:
@@ -73,7 +80,7 @@ class Redeliveries:
             if self.client.set(key, task_id, nx=True, ex=LEASE_S):
                 return None
             holder = self.client.get(key)
-            return holder.decode() if holder is not None else take()
+            return _decoded(holder) if holder is not None else take()
 
         return with_redis_retries(take, "lease")
 
@@ -82,7 +89,7 @@ class Redeliveries:
         key = lease_key(identifier, self.key_prefix)
         try:
             holder = with_redis_retries(lambda: self.client.get(key), "lease release")
-            if holder is not None and holder.decode() == task_id:
+            if holder is not None and _decoded(holder) == task_id:
                 self.client.delete(key)
         except redis.RedisError:
             log.warning("could not release the lease of %r; it expires in %d s", identifier, LEASE_S)

@@ -6,57 +6,88 @@ visibility timeout, queue name and key prefix can never disagree between them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
 from producer.routing import route_queue
 from producer.settings import ClientSettings
 
+if TYPE_CHECKING:
+    from engine.engine_config import EngineConfig
+
+ENGINE_NAMES = {"ngram_draft": "use_ngram_draft"}
+"""Settings whose engine option (engine/engine_config.py) has another name; the others share theirs."""
+MIN_MAX_PENDING = 1024
+PENDING_PER_TASK = 4
+"""The engine queues up to max(MIN_MAX_PENDING, PENDING_PER_TASK * concurrency) jobs."""
+
 
 class Settings(ClientSettings):
     """The producer-side settings (Redis, queue, key prefix, visibility
     timeout) plus what only a worker needs."""
 
-    result_expires_s: int = Field(86400, ge=1, description="how long results stay in the backend")
+    result_expires_s: int = Field(default=86400, ge=1, description="how long results stay in the backend")
     stream_maxlen: int = Field(
-        40000, ge=10, description="events kept per replay stream (approximate trim; above MAX_NEW_TOKENS)"
+        default=40000, ge=10, description="events kept per replay stream (approximate trim), and more while the "
+                                          "attempt being streamed has more: that one is never cut"
     )
-    stream_ttl_s: int = Field(3600, ge=1, description="replay streams expire this long after their last event")
+    stream_ttl_s: int = Field(default=3600, ge=1, description="replay streams expire this long after their last event")
 
-    model: str | None = Field(None, description="HF model directory the worker serves")
-    device: str = Field("cpu", description="cpu or cuda[:N]")
-    dtype: str | None = Field(None, description="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    cache_tokens: int | None = Field(None, ge=1, description="KV cache size in tokens (default: memory budget)")
+    model: str | None = Field(default=None, description="HF model directory or .gguf file the worker serves")
+    device: str = Field(default="cpu", description="cpu or cuda[:N]")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="the model's dtype (default: the checkpoint's)")
+    cache_tokens: int | None = Field(default=None, ge=1, description="KV cache size in tokens (default: 1 GiB's worth "
+                                                                      "on CPU; on CUDA what `genq plan` computes)")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1,
+        description="CUDA: the share of the GPU's memory the worker plans to use (default 0.9); the KV cache gets "
+                    "what the weights, everything else in use and a step's reserve leave of it (docs/operations.md)")
     cache_dtype: Literal["auto", "fp8", "q8", "q4", "k8v4"] = Field(
-        "auto", description="KV cache storage: the model's dtype, or quantized (fp8, q8, q4, k8v4: keys 8-bit, "
-                         "values 4-bit) to hold more tokens")
+        default="auto",
+        description="KV cache storage: auto = the model's dtype; fp8, q8, q4 and k8v4 (keys 8-bit, values "
+                    "4-bit) are quantized on write: 2x to 3.5x the tokens of a 16-bit cache in the same "
+                    "memory (see the README's quantization table)")
     quantize: Literal["int8", "int4"] | None = Field(
-        None, description="weight-only quantization of the linear layers at load (GGUF 4/8-bit maps directly)")
-    page_size: int | None = Field(None, ge=1, description="KV cache page size in tokens")
-    max_batch_size: int | None = Field(None, ge=1, description="jobs in the generator's batch at once")
-    max_chunk_size: int | None = Field(None, ge=1, description="tokens per forward (prefill chunking budget)")
-    concurrency: int = Field(64, ge=1, description="tasks in flight on one worker (threads pool size)")
-    prefix_caching: bool = Field(True, description="share the KV pages of common prompt prefixes")
-    ngram_draft: bool = Field(False, description="speculative decoding with n-gram (prompt-lookup) drafts")
-    draft_model: str | None = Field(None, description="a smaller model of the same tokenizer to draft with")
-    num_draft_tokens: int = Field(4, ge=1, le=16, description="draft tokens verified per job and step")
-    max_speculative_batch: int = Field(8, ge=0, description="speculate only while at most this many jobs decode")
-    metrics_port: int | None = Field(None, ge=1, le=65535, description="serve Prometheus metrics on this port")
-    metrics_address: str = Field("0.0.0.0", description="address the metrics port binds")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="warm shutdown: time to finish in-flight jobs")
+        default=None,
+        description="weight-only quantization of the linear layers at load; a GGUF Q4_0/Q4_1/Q4_K/Q8_0 file "
+                    "maps onto it without dequantizing first")
+    page_size: int | None = Field(default=None, ge=1,
+                                  description="KV cache page size in tokens (default: the engine's)")
+    max_batch_size: int | None = Field(default=None, ge=1, description="jobs in the generator's batch at once")
+    max_chunk_size: int | None = Field(default=None, ge=1, description="tokens per forward (prefill chunking budget)")
+    concurrency: int = Field(default=64, ge=1, description="tasks in flight on one worker (threads pool size)")
+    prefix_caching: bool = Field(default=True, description="share KV pages between requests with a common prefix")
+    ngram_draft: bool = Field(default=False,
+                              description="speculative decoding with n-gram drafts from each request's own "
+                                          "text; pays on repetitive output at small batches")
+    draft_model: str | None = Field(default=None, description="speculative decoding with a smaller model of the same "
+                                                              "tokenizer")
+    num_draft_tokens: int = Field(default=4, ge=1, le=16, description="draft tokens verified per request and step")
+    max_speculative_batch: int = Field(default=8, ge=0,
+                                       description="speculate only while at most this many requests decode")
+    compile_timeout_s: float = Field(default=10.0, gt=0, le=3600,
+                                     description="a request whose output constraint (grammar) takes longer to "
+                                                 "start fails alone, naming this limit")
+    max_grammar_size: int = Field(default=500_000, ge=1000,
+                                  description="most symbols a constraint's grammar may have (llguidance's "
+                                              "max_grammar_size); a larger one fails its request alone")
+    metrics_port: int | None = Field(default=None, ge=1, le=65535,
+                                     description="serve Prometheus metrics at http://ADDRESS:PORT/metrics")
+    metrics_address: str = Field(default="0.0.0.0", description="address the metrics port binds")
+    shutdown_grace_s: float = Field(default=30.0, ge=0,
+                                    description="seconds a warm shutdown lets in-flight jobs finish "
+                                                "before requeueing them")
     prefix_route: str | None = Field(
-        None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
-        description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py)")
+        default=None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
+        description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py): requests "
+                    "starting alike reach the same worker, so its prefix cache hits")
 
     @model_validator(mode="after")
-    def _one_drafter(self) -> Settings:
+    def _consistent(self) -> Settings:
         if self.ngram_draft and self.draft_model:
             raise ValueError("GENQ_NGRAM_DRAFT and GENQ_DRAFT_MODEL: choose one way to draft")
-        return self
-
-    @model_validator(mode="after")
-    def _routes_exist(self) -> Settings:
         for route in self.prefix_routes_served:
             if route >= self.prefix_routes:
                 raise ValueError(f"GENQ_PREFIX_ROUTE: route {route} needs GENQ_PREFIX_ROUTES above {route} "
@@ -71,3 +102,17 @@ class Settings(ClientSettings):
     def queues(self) -> list[str]:
         """The shared queue, then the prefix routes this worker serves."""
         return [self.queue] + [route_queue(self.queue, route) for route in self.prefix_routes_served]
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's config from these settings: each field named like an engine option (or as
+        ENGINE_NAMES maps it) sets that option; unset (None) ones keep the engine's default."""
+        from engine.engine_config import EngineConfig, option_names
+
+        engine_options = option_names()
+        options: dict[str, Any] = {"max_pending": max(MIN_MAX_PENDING, PENDING_PER_TASK * self.concurrency)}
+        for name in type(self).model_fields:
+            option = ENGINE_NAMES.get(name, name)
+            value = getattr(self, name)
+            if option in engine_options and value is not None:
+                options[option] = value
+        return EngineConfig().with_options(**options)

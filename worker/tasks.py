@@ -1,85 +1,84 @@
-"""The `genq.generate` task: validate, submit to the engine loop, wait, return
+"""The `genq.generate` task: decide what the delivery needs (worker/delivery.py),
+then parse, build the engine job, submit it to the engine loop and wait for
 the result. Many of these run at once (threads pool); none touches the
-generator itself."""
+generator itself.
+
+What a Celery user sees (docs/protocol.md, "Using genq from Celery"): an
+invalid request fails with ProtocolError, a job the engine fails with
+GenerationFailed, a revoked one ends REVOKED; as a chain child the task joins
+its parent's result to its request as `chain_as` says."""
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 from typing import Any
 
-from celery import Task, shared_task, states
+from celery import Task, shared_task, signals
 from celery.exceptions import Ignore, Reject
+from celery.worker import state as worker_state
 
-from producer.protocol import (
-    IDENTIFIER_PATTERN,
-    TASK_NAME,
-    GenerationRequest,
-    ProtocolError,
-    StreamEvent,
-    validate_task_id,
-)
+from engine import JobRejected
+from engine.admission import admit
+from producer.protocol import TASK_NAME, GenerationRequest, ProtocolError, StreamEvent, chained_payload
+from worker import delivery
 from worker import runtime as runtime_module
 from worker.jobs import build_job
 from worker.loop import ShuttingDown, Submission
-from worker.redelivery import LEASE_S, with_redis_retries
+from worker.publisher import Publisher
+from worker.redelivery import with_redis_retries
 
-IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
 log = logging.getLogger(__name__)
-ENGINE_READY_TIMEOUT_S = 600.0
 
 
 class GenerationFailed(RuntimeError):
-    """The request was refused or failed in the engine; the message says why."""
+    """A valid request that the engine could not run or finish (full queue, a numeric failure, its
+    identifier already generating); the message says why. Invalid requests raise ProtocolError."""
 
 
 # track_started is off because Celery would store STARTED under the task id before the task
-# body could check that id; the body stores it itself once the id is known to be a safe key.
+# body could check that id; decide() stores it itself once the id is known to be a safe key.
 @shared_task(name=TASK_NAME, bind=True, track_started=False)
-def generate(self: Task, **kwargs: Any) -> dict[str, Any]:
-    requested = kwargs.get("identifier")
-    usable = requested if isinstance(requested, str) and IDENTIFIER_RE.fullmatch(requested) else None
-    try:
-        validate_task_id(self.request.id)
-    except ProtocolError as error:
-        raise _refuse_task_id(usable, str(error)) from None
-    self.update_state(state=states.STARTED, meta={"pid": os.getpid(), "hostname": self.request.hostname})
-    runtime = runtime_module.current(timeout=ENGINE_READY_TIMEOUT_S)
-    # An unusable identifier is reported on the task id's stream (the request still fails).
-    identifier = usable or self.request.id
-    if runtime.loop.is_running(identifier, self.request.id):
-        raise _duplicate(identifier)
-    if runtime.redeliveries.finished(self.request.id):
-        log.warning("task %s delivered again after its result was stored; not running it again", self.request.id)
+def generate(self: Task, *parents: Any, **kwargs: Any) -> dict[str, Any]:
+    """`parents` holds the parent's result when Celery runs this task as a chain or chord child."""
+    decision = delivery.decide(self, kwargs)
+    if isinstance(decision, delivery.Ignore):
+        if decision.report_to is not None:
+            runtime = runtime_module.current(timeout=delivery.ENGINE_READY_TIMEOUT_S)
+            publish_error(runtime.publisher, decision.report_to, decision.reason)
+        raise Ignore(decision.reason)
+    if isinstance(decision, delivery.Defer):
+        queue = (self.request.delivery_info or {}).get("routing_key")
+        self.apply_async(args=self.request.args, kwargs=self.request.kwargs, task_id=self.request.id,
+                         countdown=delivery.LEASE_S, queue=queue)
         raise Ignore()
-    published = with_redis_retries(lambda: runtime.publisher.final_result(self.request.id), "final result")
-    if published is not None:
-        log.warning("task %s delivered again after its final event; answering with that result", self.request.id)
-        return published
-    holder = runtime.redeliveries.take_lease(identifier, self.request.id)
-    if holder == self.request.id:
-        raise _defer(self, identifier)
-    if holder is not None or identifier in runtime.loop.active_identifiers():
-        raise GenerationFailed(f"identifier: {identifier!r} is already generating")
+    if isinstance(decision, delivery.Answer):
+        if decision.error is not None:
+            raise GenerationFailed(decision.error)
+        assert decision.result is not None
+        return decision.result
+    runtime = runtime_module.current(timeout=delivery.ENGINE_READY_TIMEOUT_S)
     try:
-        return _run(self, runtime, identifier, kwargs)
+        return _run(self, runtime, decision.identifier, parents, kwargs)
     finally:
-        runtime.redeliveries.release_lease(identifier, self.request.id)
+        runtime.redeliveries.release_lease(decision.identifier, self.request.id)
 
 
-def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: tuple[Any, ...],
+         kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Parse, build the job, submit it, wait: the delivery is this task's to run."""
     attempt, cancel_requested = with_redis_retries(lambda: runtime.publisher.begin_attempt(identifier), "attempt")
     try:
-        request = GenerationRequest.parse_payload(kwargs)
+        request = GenerationRequest.parse_payload(chained_payload(kwargs, parents))
         generator = runtime.generator
-        vocab_size = generator.model.config.vocab_size
-        job = build_job(request, generator.tokenizer, identifier, vocab_size, generator.max_seq_len)
-    except (ProtocolError, ValueError) as error:
+        job = build_job(request, generator.tokenizer, identifier, generator.model.config.vocab_size)
+        # The engine's own refusals (context, vocabulary) checked here too, so that they fail as the
+        # invalid requests they are rather than as GenerationFailed from the loop.
+        admit(job, generator.limits)
+    except (ProtocolError, JobRejected, ValueError) as error:
         message = str(error)
-        _publish_error(runtime, identifier, attempt, message)
-        raise GenerationFailed(message) from None
+        publish_error(runtime.publisher, identifier, message, attempt)
+        raise ProtocolError(message) from None
     deadline = request.deadline
     if request.timeout_s is not None:
         deadline = time.time() + request.timeout_s
@@ -93,44 +92,30 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, kwargs: d
     if submission.requeue:
         raise Reject("worker shut down before the job finished", requeue=True)
     if submission.duplicate:
-        raise _duplicate(identifier)
+        log.warning("request %r redelivered while still generating here; ignoring the duplicate", identifier)
+        raise Ignore()
     if submission.error is not None:
         raise GenerationFailed(submission.error)
     if submission.result is None:
         raise GenerationFailed("the engine loop finished the job without a result")
+    if submission.result.finish_reason == "cancelled" and self.request.id in worker_state.revoked:
+        _end_revoked(self)
     return submission.result.to_dict()
 
 
-def _defer(task: Task, identifier: str) -> Ignore:
-    """Another worker holds this very task's lease (it is generating it): send a
-    copy that checks again once the lease could have lapsed, and drop this one."""
-    log.warning("task %s delivered again while another worker runs it; checking again in %d s", task.request.id,
-                LEASE_S)
-    queue = (task.request.delivery_info or {}).get("routing_key")
-    task.apply_async(kwargs=task.request.kwargs, task_id=task.request.id, countdown=LEASE_S, queue=queue)
-    return Ignore()
+def _end_revoked(task: Task) -> None:
+    """A revoke cancelled the job (worker/bootsteps.py routes it to the engine loop, whose
+    `cancelled` event is out): end the task as Celery ends a revoked one (REVOKED stored, the
+    task-revoked event for Flower, the task_revoked signal), not as a SUCCESS."""
+    task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+    task.backend.mark_as_revoked(task.request.id, "revoked", request=task.request)
+    signals.task_revoked.send(sender=task, request=task.request, terminated=False, signum=None, expired=False)
+    raise Ignore("revoked")
 
 
-def _duplicate(identifier: str) -> Ignore:
-    """A redelivered message for a request this worker is still generating
-    (it outlived the visibility timeout): acknowledge it and store nothing,
-    so the running attempt's result stands."""
-    log.warning("request %r redelivered while still generating here; ignoring the duplicate", identifier)
-    return Ignore()
-
-
-def _refuse_task_id(identifier: str | None, message: str) -> Ignore:
-    """A task id that must not become a Redis key: the message is acknowledged and dropped with no
-    result stored (Ignore: Celery stores a FAILURE for a Reject, under that very key), and a valid
-    identifier's stream gets the error."""
-    log.error("refused a %s task: %s", TASK_NAME, message)
-    if identifier is not None:
-        runtime = runtime_module.current(timeout=ENGINE_READY_TIMEOUT_S)
-        attempt, _ = runtime.publisher.begin_attempt(identifier)
-        _publish_error(runtime, identifier, attempt, message)
-    return Ignore(message)
-
-
-def _publish_error(runtime: runtime_module.Runtime, identifier: str, attempt: int, message: str) -> None:
+def publish_error(publisher: Publisher, identifier: str, message: str, attempt: int | None = None) -> None:
+    """A request's only event, `error`: in a new attempt unless the task has begun one."""
+    if attempt is None:
+        attempt, _ = publisher.begin_attempt(identifier)
     event = StreamEvent(id=identifier, seq=0, attempt=attempt, event="error", finish_reason="error", error=message)
-    runtime.publisher.publish([event])
+    publisher.publish([event])

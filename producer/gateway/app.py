@@ -8,14 +8,14 @@ Run it with `genq gateway` (uvicorn); `create_app(settings)` is the ASGI applica
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from typing import Annotated, Any
 
 import anyio
@@ -23,10 +23,20 @@ from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, HttpUrl, TypeAdapter, ValidationError
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
-from producer.callback_targets import CallbackUrlRefused, resolve_target_async
+from producer.callback_targets import CallbackUrlRefused, check_characters, resolve_target_async
 from producer.callbacks import DELIVER_CALLBACK_TASK
-from producer.client import AsyncGenerationHandle, AsyncGenqClient, GenerationError, StreamRestarted, TextAssembler
+from producer.client import (
+    AsyncGenerationHandle,
+    AsyncGenqClient,
+    EventKey,
+    GenerationError,
+    TextAssembler,
+    bounded_redis_async,
+    pubsub_options,
+)
 from producer.gateway import sse
 from producer.gateway.access import TaskRecords
 from producer.gateway.auth import (
@@ -35,43 +45,51 @@ from producer.gateway.auth import (
     require_task_access,
     require_webhook_auth,
 )
-from producer.gateway.constraints import constraint_problem
+from producer.gateway.completions import completions_router
+from producer.gateway.constraints import ConstraintChecker
 from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from producer.gateway.model_limits import OPENAI_NAMES, CardReader
+from producer.gateway.model_limits import CardReader, check_request
 from producer.gateway.openai_api import (
+    STREAM_FAILURES,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
-    Completion,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
     CompletionUsage,
+    MissingPromptLogprobs,
     ModelCard,
     ModelList,
+    OpenAIFinishReason,
+    ScoredPrompt,
     UnsupportedParameter,
     chat_response,
-    completion_response,
+    function_call_delta,
     openai_finish_reason,
+    stream_error,
+    tool_call_delta,
 )
+from producer.gateway.openai_api import prompt_logprobs as shape_prompt_logprobs
+from producer.gateway.prompt_gate import PromptGate
 from producer.gateway.settings import GatewaySettings
+from producer.gateway.submission import check_model, parse_request, resuming
+from producer.gateway.subscriptions import FellBehind, SubscriptionHub
+from producer.gateway.tokens import tokens_router
 from producer.protocol import (
     IDENTIFIER_PATTERN,
-    MAX_SEED,
     GenerationRequest,
     GenerationResult,
-    ProtocolError,
     StreamEvent,
     TokenLogprob,
     Usage,
 )
+from producer.reasoning import ReasoningFormat, ReasoningStream
 from producer.routing import route_queue
 from producer.signing import task_access_token
+from producer.tool_calls import ContentDelta, ToolCallStream, ToolFormat, call_seed
 
 PRIORITY_LEVELS = range(10)
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
@@ -91,14 +109,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 class WebhookTask(GenerationRequest):
     """The body of `POST /v1/tasks`: a generation request plus where to deliver its outcome."""
 
-    callback_url: HttpUrl | None = Field(None, description="http(s) URL that receives the signed outcome")
+    callback_url: HttpUrl | None = Field(default=None, description="http(s) URL that receives the signed outcome")
 
 
 class TaskAccepted(BaseModel):
     id: str
     stream_url: str
     result_url: str
-    access_token: str | None = Field(None, description="this task's read/cancel token (signed deployments)")
+    access_token: str | None = Field(default=None, description="this task's read/cancel token (signed deployments)")
 
 
 class TaskStatus(BaseModel):
@@ -115,21 +133,33 @@ class CancelAccepted(BaseModel):
 
 class Gateway:
     """What the handlers share: the settings, the async client (whose Redis also keeps the seen
-    webhook signatures, the task records and the workers' model card) and a connection to the
-    broker's Redis for the queue depth."""
+    webhook signatures, the task records and the workers' model card), the hub every stream's
+    live channel comes through, the open streams' count, and a connection to the broker's Redis
+    for the queue depth. Pub/sub has connections of its own; the command pools are bounded and
+    wait for a free connection, so streams never take what submissions need."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
+        self.hub = SubscriptionHub(settings.redis_async(**pubsub_options(AsyncRetry(NoBackoff(), 0))),
+                                   connections=settings.pubsub_connections, buffer=settings.stream_buffer_events)
         self.client = AsyncGenqClient(settings.redis_url, broker_url=settings.broker_url,
                                       result_backend=settings.result_backend, queue=settings.queue,
-                                      key_prefix=settings.key_prefix, sentinel_master=settings.sentinel_master)
-        self.broker = self.client.settings.redis_async(self.client.settings.broker)
+                                      key_prefix=settings.key_prefix, sentinel_master=settings.sentinel_master,
+                                      subscriber=self.hub, max_connections=settings.redis_max_connections,
+                                      pool_timeout_s=settings.redis_pool_timeout_s)
+        self.broker = bounded_redis_async(settings, settings.broker, settings.redis_max_connections,
+                                          settings.redis_pool_timeout_s)
         self.records = TaskRecords(self.client, settings.key_prefix, settings.task_record_ttl_s)
         self.limits = CardReader(self.client.redis, settings.key_prefix, settings.queue, settings.card_refresh_s)
+        self.streams = sse.StreamSlots(settings.max_streams_per_task, settings.max_streams_per_client,
+                                       settings.retry_after_s)
+        self.constraints = ConstraintChecker(settings)
         self.started = int(time.time())
 
     async def close(self) -> None:
+        self.constraints.close()
         await self.client.close()
+        await self.hub.close()
         await self.broker.aclose()
 
     async def queue_depth(self) -> int:
@@ -164,14 +194,9 @@ class Gateway:
         await handle.close()  # nobody follows a webhook's task from here: its reader comes via SSE
 
     async def status(self, identifier: str) -> TaskStatus:
-        handle = self.client.handle(identifier)
-        try:
-            result = await handle.result(timeout=0)
-        except GenerationError as error:
-            return TaskStatus(id=identifier, state=await handle.state(), error=error.message)
-        except TimeoutError:
-            return TaskStatus(id=identifier, state=await handle.state())
-        return TaskStatus(id=identifier, state="SUCCESS", result=result)
+        """One read of the result backend: the state and the result always agree."""
+        snapshot = await self.client.handle(identifier).snapshot()
+        return TaskStatus(id=identifier, state=snapshot.state, result=snapshot.result, error=snapshot.error)
 
 
 def _gateway_token(request: Request) -> None:
@@ -241,16 +266,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/v1/tasks/{task_id}/events", responses={**ERROR_RESPONSES, 200: {
         "content": {"text/event-stream": {}}, "description": "one SSE message per stream event"}})
     async def task_events(
-        task_id: AccessibleTaskId,
+        task_id: AccessibleTaskId, request: Request,
         last_event_id: Annotated[str | None, Header(alias=_LAST_EVENT_ID)] = None,
     ) -> StreamingResponse:
         """The task's events as Server-Sent Events: `id: <attempt>-<seq>`, `event: <type>`, `data:
         <StreamEvent JSON>`; first what the replay stream holds, then live, each once; the stream
-        ends after the final event. Reconnect with `Last-Event-ID` to get only what follows."""
+        ends after the final event. Reconnect with `Last-Event-ID` to get only what follows. A
+        reader that falls behind gets a last `event: resume` and should reconnect so. 429 past
+        the open streams' caps per task and per client."""
         after = _parse_last_event_id(last_event_id)
         events = gateway.client.handle(task_id).events(timeout=settings.stream_idle_timeout_s, after=after)
-        return StreamingResponse(_task_sse(events, settings.keepalive_s), media_type="text/event-stream",
-                                 headers=sse.SSE_HEADERS)
+        give_back = gateway.streams.take(task_id, sse.client_identity(request))
+        return sse.EventStream(_task_sse(events, after, settings.keepalive_s), give_back)
 
     @app.get("/healthz", include_in_schema=False)
     async def health() -> dict[str, bool]:
@@ -266,21 +293,22 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/v1/models/{model}", response_model=ModelCard, dependencies=[Depends(_gateway_token)],
              responses=ERROR_RESPONSES)
     async def get_model(model: str) -> ModelCard:
-        _check_model(settings, model)
+        check_model(settings, model)
         return ModelCard(id=settings.model_name, created=gateway.started)
 
-    @app.post("/v1/completions", response_model=Completion, dependencies=[Depends(_gateway_token)],
-              responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        """OpenAI's text completions, streamed (`stream: true`) or not."""
-        return await _openai(gateway, request, body, chat=False)
+    app.include_router(completions_router(_gateway_token, ERROR_RESPONSES))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=[Depends(_gateway_token)],
               responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         """OpenAI's chat completions; the worker renders the messages with the model's chat template."""
-        return await _openai(gateway, request, body, chat=True)
+        return await _chat(gateway, request, body)
 
+    app.include_router(tokens_router(gateway.limits, partial(check_model, settings),
+                                     partial(parse_request, gateway.constraints, status=400)),
+                       dependencies=[Depends(_gateway_token)])
+
+    # FastAPI's documented way to customise the schema is to replace the method.
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -309,7 +337,7 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
     if callback_url is not None and settings.webhook_secret is None:
         raise ApiError(422, "invalid_request", "callback_url: callbacks are signed with GENQ_WEBHOOK_SECRET, "
                                                "which this gateway does not have", param="callback_url")
-    generation = _parse(payload, status=422)
+    generation = await parse_request(gateway.constraints, payload, status=422)
     await gateway.limits.check(generation, status=422, names={})
     await gateway.admit()
     identifier = generation.identifier or str(uuid.uuid4())
@@ -347,11 +375,13 @@ async def _callback_url(value: Any, allow_private: bool) -> str | None:
     if value is None:
         return None
     try:
-        url = str(_CALLBACK_URL.validate_python(value))
-    except ValidationError:
-        raise ApiError(422, "invalid_request", f"callback_url: must be an http(s) URL, got {_preview(value)}",
-                       param="callback_url", problems=["callback_url: must be an http(s) URL"]) from None
-    try:
+        if isinstance(value, str):
+            check_characters(value)  # before parsing, which would drop a CR or LF unseen
+        try:
+            url = str(_CALLBACK_URL.validate_python(value))
+        except ValidationError:
+            raise ApiError(422, "invalid_request", f"callback_url: must be an http(s) URL, got {_preview(value)}",
+                           param="callback_url", problems=["callback_url: must be an http(s) URL"]) from None
         await resolve_target_async(url, allow_private=allow_private)
     except CallbackUrlRefused as refused:
         problem = f"callback_url: {refused}"
@@ -362,18 +392,6 @@ async def _callback_url(value: Any, allow_private: bool) -> str | None:
 def _preview(value: Any, limit: int = 80) -> str:
     text = ascii(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _parse(fields: dict[str, Any], *, status: int) -> GenerationRequest:
-    try:
-        request = GenerationRequest.parse_payload(fields)
-    except ProtocolError as error:
-        param = error.problems[0].split(":", 1)[0] if error.problems else None
-        raise ApiError(status, "invalid_request", str(error), param=param, problems=error.problems) from None
-    problem = constraint_problem(request.constraint) if request.constraint is not None else None
-    if problem is not None:
-        raise ApiError(status, "invalid_constraint", problem, param="constraint", problems=[problem])
-    return request
 
 
 def _parse_last_event_id(value: str | None) -> tuple[int, int] | None:
@@ -387,176 +405,202 @@ def _parse_last_event_id(value: str | None) -> tuple[int, int] | None:
     return int(match[1]), int(match[2])
 
 
-def _check_model(settings: GatewaySettings, model: str) -> None:
-    if model != settings.model_name:
-        raise ApiError(404, "model_not_found", f"the model {model!r} does not exist; this gateway serves "
-                                               f"{settings.model_name!r}", param="model")
+def _event_id(key: EventKey | None) -> str | None:
+    return None if key is None else f"{key[0]}-{key[1]}"
 
 
-async def _task_sse(events: AsyncIterator[StreamEvent], keepalive_s: float) -> AsyncIterator[str]:
+async def _task_sse(events: AsyncGenerator[StreamEvent, None], after: EventKey | None, keepalive_s: float
+                    ) -> AsyncGenerator[str, None]:
     try:
-        async for event in sse.with_keepalive(events, keepalive_s):
-            if event is None:
-                yield sse.KEEPALIVE
-                continue
-            yield sse.message(event.to_json(), event=event.event, id=f"{event.attempt}-{event.seq}")
+        async with aclosing(sse.with_keepalive(events, keepalive_s)) as items:
+            async for event in items:
+                if event is None:
+                    yield sse.KEEPALIVE
+                    continue
+                after = (event.attempt, event.seq)
+                yield sse.message(event.to_json(), event=event.event, id=_event_id(after))
     except TimeoutError as error:
         yield sse.message(json.dumps({"error": str(error)}), event="timeout")
+    except FellBehind as behind:
+        yield sse.resume(_event_id(after), str(behind))
 
 
-async def _openai(gateway: Gateway, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                  *, chat: bool) -> Any:
+async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest) -> Any:
     settings = gateway.settings
-    _check_model(settings, body.model)
+    check_model(settings, body.model)
     try:
-        fields = body.to_request_fields()
+        fields = body.to_request_fields(settings.ignore_unknown_params)
     except UnsupportedParameter as error:
         raise ApiError(400, error.code, str(error), param=error.param) from None
-    identifier = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    generation = _parse({**fields, "identifier": identifier}, status=400)
+    identifier = f"chatcmpl-{uuid.uuid4().hex}"
+    names = body.param_names()
+    limits = await gateway.limits.current()
+    if fields.get("tools") is not None and limits is not None and limits.tool_format is not None:
+        # The worker then forces and reads calls in the format this gateway reads the stream in.
+        fields["tool_format"] = limits.tool_format
+    if limits is not None and limits.reasoning_format is not None:
+        fields["reasoning_format"] = limits.reasoning_format  # so too for the thought
+    generation = await parse_request(gateway.constraints, {**fields, "identifier": identifier}, status=400,
+                                     names=names)
     # Before anything is queued: a streamed request is answered 200 as soon as it is.
-    await gateway.limits.check(generation, status=400, names=OPENAI_NAMES)
+    if limits is not None:
+        await check_request(limits, generation, status=400, names=names)
     await gateway.admit()
-    if body.n_choices == 1:
-        handles = [await gateway.client.submit(generation, identifier=identifier)]
-    else:
-        handles = await gateway.client.submit_many(_children(generation, body.n_choices))
     if body.stream:
-        chunks = _openai_stream(gateway, identifier, handles, body.model, chat=chat,
-                                include_usage=body.include_usage)
-        return StreamingResponse(chunks, media_type="text/event-stream", headers=sse.SSE_HEADERS)
+        give_back = gateway.streams.take(identifier, sse.client_identity(request))
+        try:
+            handle = await gateway.client.submit(generation, identifier=identifier)
+        except BaseException:
+            give_back()
+            raise
+        reads_calls = generation.tools is not None and generation.tool_choice != "none"
+        chunks = _chat_stream(gateway, handle, body.n_choices, body.model, include_usage=body.include_usage,
+                              tool_format=(generation.tool_format or "hermes") if reads_calls else None,
+                              reasoning_format=generation.reasoning_format, legacy_functions=body.legacy_functions,
+                              prompt_logprobs=body.prompt_logprobs)
+        return sse.EventStream(chunks, give_back)
+    handle = await gateway.client.submit(generation, identifier=identifier)
     try:
-        results = await sse.unless_disconnected(request, _results(handles, settings.result_timeout_s))
+        result = await sse.unless_disconnected(request, handle.result(timeout=settings.result_timeout_s))
     except GenerationError as error:
         # Nearly always the request's fault (a token outside the vocabulary, a prompt longer than the
         # context): 400, so that SDKs do not retry it; the message is the worker's.
-        await _cancel(gateway, [handle for handle in handles if handle.id != error.identifier])
         raise ApiError(400, "generation_failed", error.message) from None
     except TimeoutError:
-        await _cancel(gateway, handles)
+        await gateway.client.cancel(identifier)
         raise ApiError(504, "timeout", f"no result within {settings.result_timeout_s:.0f} s; cancelled") from None
-    if results is None:  # the client went away: nobody will read the answer
-        await _cancel(gateway, handles)
+    if result is None:  # the client went away: nobody will read the answer
+        await gateway.client.cancel(identifier)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return (chat_response if chat else completion_response)(identifier, body.model, results)
-
-
-def _children(generation: GenerationRequest, n: int) -> list[dict[str, Any]]:
-    """OpenAI's n > 1 as vLLM v1 does it (parallel sampling): n child requests `<id>-0` ...
-    `<id>-<n-1>` with the parent's prompt and settings, seeds seed + i (wrapped into the protocol's
-    range, as engine.Job.samples does) or, without a seed, each its own random one. Sent together
-    (submit_many) to one queue (with prefix routing, the prompt's route), they usually reach one
-    worker, which computes the prompt once: the engine shares its pages between jobs admitted
-    together (prefix cache). Children that land on different workers (several consume one queue,
-    a redelivery) each compute the prompt."""
-    kwargs = generation.to_kwargs()
-    sampling = kwargs.get("sampling", {})
-    seed = generation.sampling.seed
-    children = []
-    for i in range(n):
-        child = {**kwargs, "identifier": f"{generation.identifier}-{i}"}
-        if seed is not None:
-            child["sampling"] = {**sampling, "seed": (seed + i) % (MAX_SEED + 1)}
-        children.append(child)
-    return children
-
-
-async def _results(handles: list[AsyncGenerationHandle], timeout: float) -> list[GenerationResult]:
-    """Every handle's result, in order; the first failure (GenerationError, TimeoutError) is raised
-    as soon as it happens, and the waits still running are dropped."""
-    if len(handles) == 1:
-        return [await handles[0].result(timeout=timeout)]
-    waits = [asyncio.ensure_future(handle.result(timeout=timeout)) for handle in handles]
     try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
-        for wait in waits:
-            if wait.done() and (failure := wait.exception()) is not None:
-                raise failure
-        return [wait.result() for wait in waits]
-    finally:
-        for wait in waits:
-            wait.cancel()
+        return chat_response(identifier, body.model, result, body.prompt_logprobs, body.legacy_functions)
+    except MissingPromptLogprobs as missing:
+        raise ApiError(502, "missing_prompt_logprobs", str(missing)) from None
 
 
-async def _cancel(gateway: Gateway, handles: list[AsyncGenerationHandle]) -> None:
-    for handle in handles:
-        await gateway.client.cancel(handle.id)
-
-
-async def _openai_stream(gateway: Gateway, identifier: str, handles: list[AsyncGenerationHandle], model: str, *,
-                         chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI's streaming format: `data: <chunk>` per piece of text, a last chunk with the
-    finish_reason, a usage chunk when asked, then `data: [DONE]`. With n > 1 the children's events
-    are merged as they come, one choice per chunk (as OpenAI sends them): chat's role chunk for
-    each index first, each index's text and its own finish chunk, then one usage chunk for all
-    (CompletionUsage.from_usage) once every child has finished. A client that disconnects before
-    the end cancels every unfinished child, and so does an error of any child (the stream ends
-    with that error). If a worker dies mid-generation, the redelivered attempt continues the text
-    where it stopped (a TextAssembler per child)."""
+async def _chat_stream(gateway: Gateway, handle: AsyncGenerationHandle, n: int, model: str, *,
+                       include_usage: bool, tool_format: ToolFormat | None = None,
+                       reasoning_format: ReasoningFormat | None = None, legacy_functions: bool = False,
+                       prompt_logprobs: int | None = None) -> AsyncGenerator[str, None]:
+    """OpenAI's streaming format of chat completions (completions': producer/gateway/completions.py):
+    `data: <chunk>` per piece of text, a finish chunk, a usage chunk when asked, then `data: [DONE]`.
+    With a tool_format (a chat with tools) each choice's text goes through a ToolCallStream:
+    content as `delta.content`, calls as `delta.tool_calls`, with
+    the ids the worker's result gives them (the same parser, format and seed), so the assembled
+    stream equals the non-streamed answer; the format is the model card's (hermes, the generic
+    tool prompt's, when no worker has published a card). With a reasoning_format (a chat with a
+    thinking model, also the card's) a ReasoningStream splits the thought off first: it goes out as
+    `delta.reasoning_content`; a call answers legacy `functions` as `delta.function_call`. It also
+    splits only the text after the thought reaches the tool-call parser. With n > 1
+    the task's chunk events carry their sample's index and become one choice per chunk (as OpenAI
+    sends them): chat's role chunk for each index first, each index's text as it comes, then,
+    from the final event, a finish chunk per index (after any text of that sample no chunk
+    carried) and one usage chunk for all. A client that
+    disconnects before the end cancels the task; an error ends the stream with an error chunk. If
+    a worker dies mid-generation, the redelivered attempt continues each sample's text where it
+    stopped (a TextAssembler per index). With prompt_logprobs (vLLM's, `alternatives` each) the
+    first chunk carries them at its top level: the role chunks wait for the chunk event that
+    brings them, and a PromptGate holds the text back until then."""
     created = int(time.time())
-    n = len(handles)
-    offsets = [0] * n  # of each choice's text so far (the legacy logprobs' text_offset)
 
-    def chunk(index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
-              logprobs: list[TokenLogprob] | None = None) -> str:
-        if chat:
-            delta = ChatDelta(role="assistant" if role else None, content=text)
-            body: BaseModel = ChatCompletionChunk(id=identifier, created=created, model=model, choices=[
-                ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                logprobs=ChatLogprobs.from_tokens(logprobs))])
-        else:
-            body = Completion(id=identifier, created=created, model=model, choices=[
-                CompletionChoice(index=index, text=text or "", finish_reason=finish_reason,
-                                 logprobs=CompletionLogprobs.from_tokens(logprobs, offsets[index]))])
+    def chunk(index: int, text: str | None, finish_reason: OpenAIFinishReason | None = None, *, role: bool = False,
+              logprobs: list[TokenLogprob] | None = None, tool_call: dict[str, Any] | None = None,
+              reasoning: str | None = None, scored: ScoredPrompt | None = None) -> str:
+        delta = ChatDelta(role="assistant" if role else None, content=text, reasoning_content=reasoning,
+                          tool_calls=None if tool_call is None or legacy_functions else [tool_call],
+                          function_call=tool_call if legacy_functions else None)
+        body = ChatCompletionChunk(id=handle.id, created=created, model=model, choices=[
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
+                            logprobs=ChatLogprobs.from_tokens(logprobs))],
+            prompt_logprobs=None if scored is None or prompt_logprobs is None
+            else shape_prompt_logprobs(scored, prompt_logprobs))
         return sse.message(body.model_dump_json())
 
-    def usage_chunk(usages: list[Usage]) -> str:
-        totals = CompletionUsage.from_usage(usages)
-        body: BaseModel = (ChatCompletionChunk(id=identifier, created=created, model=model, choices=[],
-                                               usage=totals)
-                           if chat else Completion(id=identifier, created=created, model=model, choices=[],
-                                                   usage=totals))
+    def roles(scored: ScoredPrompt | None) -> Iterator[str]:
+        """Each index's role chunk; the first carries the prompt's log-probabilities when asked."""
+        for index in range(n):
+            yield chunk(index, "", role=True, scored=scored if index == 0 else None)
+
+    def usage_chunk(usage: Usage) -> str:
+        totals = CompletionUsage.from_usage(usage)
+        body = ChatCompletionChunk(id=handle.id, created=created, model=model, choices=[], usage=totals)
         return sse.message(body.model_dump_json())
 
-    def error(code: str, message: str) -> str:
-        return sse.message(json.dumps({"error": {"message": message, "type": "server_error", "code": code}}))
-
-    usages: dict[int, Usage | None] = {}  # of the children that finished (an error finishes one too)
-    assemblers = [TextAssembler(handle.id) for handle in handles]
-    try:
-        if chat:
-            for index in range(n):
-                yield chunk(index, "", role=True)
-        timeout = gateway.settings.stream_idle_timeout_s
-        events = sse.merged([handle.events(timeout=timeout) for handle in handles])
-        async for item in sse.with_keepalive(events, gateway.settings.keepalive_s):
-            if item is None:
-                yield sse.KEEPALIVE
-                continue
-            index, event = item
-            text = assemblers[index].feed(event)
-            logprobs = event.logprobs if event.event == "chunk" else None
+    def pieces(index: int, text: str, logprobs: list[TokenLogprob] | None = None, final: bool = False
+               ) -> Iterator[str]:
+        """The chunks of a piece of choice `index`'s text (the logprobs ride on the first); through
+        the choice's reasoning splitter and tool-call parser when there are, which `final` flushes."""
+        if thinkers is not None:
+            reasoning, text = thinkers[index].feed(text)
+            if final:
+                more_reasoning, more_text = thinkers[index].finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+            if reasoning:
+                yield chunk(index, None, logprobs=logprobs, reasoning=reasoning)
+                logprobs = None
+        if parsers is None:
             if text or logprobs:
                 yield chunk(index, text, logprobs=logprobs)
-                offsets[index] += len(text or "")
-            if event.is_terminal:
-                usages[index] = event.usage
-                yield chunk(index, None if chat else "", openai_finish_reason(event.finish_reason or "stop"))
-                if len(usages) == n:
-                    totals = [usages[i] for i in range(n)]
-                    if include_usage and all(usage is not None for usage in totals):
-                        yield usage_chunk(totals)  # type: ignore[arg-type]
-                    yield "data: [DONE]\n\n"
-    except GenerationError as failure:
-        usages.update({i: None for i, handle in enumerate(handles) if handle.id == failure.identifier})
-        yield error("generation_failed", failure.message)
-    except StreamRestarted as restarted:
-        yield error("stream_restarted", str(restarted))
-    except TimeoutError as timeout:
-        yield error("timeout", str(timeout))
+            return
+        deltas = parsers[index].feed(text) + (parsers[index].finish() if final else [])
+        for delta in deltas:
+            if isinstance(delta, ContentDelta):
+                yield chunk(index, delta.text, logprobs=logprobs)
+            else:
+                call = function_call_delta(delta) if legacy_functions else tool_call_delta(delta)
+                yield chunk(index, None, logprobs=logprobs, tool_call=call)
+            logprobs = None
+        if logprobs:
+            yield chunk(index, None, logprobs=logprobs)
+
+    finished = False
+    assemblers = [TextAssembler(handle.id, index) for index in range(n)]
+    parsers = None if tool_format is None else [
+        ToolCallStream(tool_format, call_seed(handle.id, index)) for index in range(n)]
+    thinkers = None if reasoning_format in (None, "none") else [
+        ReasoningStream(reasoning_format) for _ in range(n)]
+
+    def answer(event: StreamEvent) -> Iterator[str]:
+        """The chunks of one of the task's events."""
+        if event.event in ("chunk", "error"):  # feeding an error event raises GenerationError
+            index = event.index or 0
+            yield from pieces(index, assemblers[index].feed(event), event.logprobs)
+        elif event.is_terminal:
+            reasons = {choice.index: choice.finish_reason for choice in event.choices or ()}
+            for index, assembler in enumerate(assemblers):
+                yield from pieces(index, assembler.feed(event), final=True)
+                reason = openai_finish_reason(reasons.get(index, event.finish_reason or "stop"),
+                                              legacy_functions)
+                yield chunk(index, None, reason)
+            if include_usage and event.usage is not None:
+                yield usage_chunk(event.usage)
+            yield "data: [DONE]\n\n"
+
+    gate = PromptGate(waiting=prompt_logprobs is not None)
+    try:
+        if not gate.waiting:
+            for role in roles(None):
+                yield role
+        events = resuming(handle, gateway.settings.stream_idle_timeout_s)
+        async with aclosing(sse.with_keepalive(events, gateway.settings.keepalive_s)) as items:
+            async for item in items:
+                if item is None:
+                    yield sse.KEEPALIVE
+                    continue
+                if item.is_terminal:
+                    finished = True  # the task ended (done, cancelled, or failed)
+                scored, ready = gate.feed(item)
+                if scored is not None:
+                    for role in roles(scored):
+                        yield role
+                for passed in ready:
+                    for piece in answer(passed):
+                        yield piece
+    except STREAM_FAILURES as failure:
+        finished = finished or isinstance(failure, GenerationError)  # a failed task has ended
+        yield stream_error(failure)
     finally:
         # The client left (the server cancels this generator), or the stream broke: stop the GPU work.
-        unfinished = [handle for i, handle in enumerate(handles) if i not in usages]
-        if unfinished:
+        if not finished:
             with anyio.CancelScope(shield=True):
-                await _cancel(gateway, unfinished)
+                await gateway.client.cancel(handle.id)

@@ -8,6 +8,7 @@ their usual exceptions and webhook senders parse one format:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -25,8 +26,9 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client left before the answer; logged, never received."""
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
-"""OpenAI answers invalid requests with 400; the native endpoints use 422, as FastAPI does."""
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize")
+"""OpenAI (and vLLM, for /tokenize) answers invalid requests with 400; the native endpoints use
+422, as FastAPI does."""
 REDIS_RETRY_AFTER_S = 2
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -50,7 +52,7 @@ class ApiError(Exception):
     """An answer other than success, raised anywhere in a handler."""
 
     def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
-                 problems: list[str] | None = None, headers: dict[str, str] | None = None) -> None:
+                 problems: list[str] | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.param, self.problems, self.headers = param, problems, headers

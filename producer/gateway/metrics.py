@@ -9,7 +9,6 @@ client cannot grow the label set.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.requests import Request
@@ -58,6 +57,6 @@ class MetricsMiddleware:
             self.metrics.latency.labels(scope["method"], endpoint).observe(time.perf_counter() - started)
 
 
-def _route_template(scope: dict[str, Any]) -> str:
+def _route_template(scope: Scope) -> str:
     route = scope.get("route")
     return getattr(route, "path", None) or "unmatched"

@@ -14,8 +14,8 @@ Checked, on the OpenAI endpoints and on `POST /v1/tasks`:
 - `messages` only for a model with a chat template;
 - prompt tokens + max_new_tokens within max_seq_len: `context_length_exceeded` (OpenAI's code).
   A `prompt` is counted exactly: the workers' own tokenizer (its `tokenizers` JSON) and their
-  BOS rule (worker/jobs.py). `input_ids` are counted as given. For `messages` the gateway has no
-  chat template engine, so it counts a lower bound: the tokens of the system and user contents
+  BOS rule (worker/jobs.py). `input_ids` are counted as given. For `messages` the check renders no
+  chat template (only /tokenize does), so it counts a lower bound: the tokens of the system and user contents
   alone, without the first and last pre-tokenizer word of each (those may merge with the
   template's text around them), of the content stripped of surrounding whitespace (templates
   often trim it). Assistant and tool contents are left out: some templates rewrite them (Qwen3
@@ -24,6 +24,11 @@ Checked, on the OpenAI endpoints and on `POST /v1/tasks`:
 What remains to the worker, reported as an error event inside a 200 stream: a conversation that
 only the chat template's own tokens push over the limit, a template that refuses the
 conversation (roles out of order), and a prompt that encodes to no tokens.
+
+The card also names the format the workers' model writes tool calls in (docs/tools.md): the
+gateway sends it with a request that has tools and reads a streamed answer's calls in it. With
+the card's tokenizer and chat template the gateway answers POST /tokenize and /detokenize
+itself (producer/gateway/tokens.py).
 
 Without a card (no worker of this queue has started, or none has refreshed its entry for
 CARD_TTL_S) nothing is checked here: the request is queued and the worker decides. Workers that
@@ -44,17 +49,26 @@ import redis.asyncio
 import tokenizers
 from pydantic import ValidationError
 
+from chat_template import ChatTemplate, with_bos
+from producer.chat_rendering import render_messages
 from producer.gateway.errors import ApiError
-from producer.model_card import CARD_TTL_S, CARD_VERSION, WorkerCard, card_key, tokenizer_key
-from producer.protocol import GenerationRequest
+from producer.model_card import (
+    CARD_TTL_S,
+    CARD_VERSION,
+    CHAT_TEMPLATE_JSON,
+    WorkerCard,
+    card_key,
+    chat_template_key,
+    tokenizer_key,
+)
+from producer.protocol import GenerationRequest, ProtocolError
+from producer.reasoning import ReasoningFormat
+from producer.tool_calls import ToolFormat
 
 log = logging.getLogger(__name__)
 
 BOUNDED_ROLES = ("system", "user")
 """Roles whose content chat templates render as it is (at most trimmed)."""
-OPENAI_NAMES = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "sampling.token_bias": "logit_bias",
-                "sampling.allowed_token_ids": "allowed_token_ids", "sampling.banned_token_ids": "banned_token_ids"}
-"""The OpenAI endpoints' names of the protocol fields a refusal names."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +79,42 @@ class PromptTokenizer:
     backend: tokenizers.Tokenizer
     add_bos: bool
     bos_correction: int
+    bos_token_id: int | None = None
+    """None from workers that do not publish it: then ids are given only where no BOS is added."""
 
     def prompt_tokens(self, prompt: str, add_bos: bool | None) -> int:
         """Exactly what worker/jobs.py gives a `prompt`."""
         add = self.add_bos if add_bos is None else add_bos
         count = len(self.backend.encode_batch([prompt], add_special_tokens=add)[0].ids)
         return count + (self.bos_correction if add else 0)
+
+    def prompt_ids(self, prompt: str, add_bos: bool | None) -> list[int]:
+        """The token ids prompt_tokens counts: what the engine's Tokenizer.encode gives."""
+        add = self.add_bos if add_bos is None else add_bos
+        ids = self.backend.encode_batch([prompt], add_special_tokens=add)[0].ids
+        if not add or self.bos_correction == 0:
+            return ids
+        if self.bos_correction < 0:
+            return ids[1:]
+        if self.bos_token_id is None:
+            raise ValueError("the workers' model card does not name the BOS token's id (they predate it)")
+        return [self.bos_token_id, *ids]
+
+    def rendered_ids(self, text: str) -> list[int]:
+        """A rendered chat's token ids, as the engine's Tokenizer.encode_rendered gives them."""
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if self.add_bos and self.bos_token_id is None:
+            raise ValueError("the workers' model card does not name the BOS token's id (they predate it)")
+        return with_bos(ids, self.add_bos, self.bos_token_id)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included (as vLLM's /detokenize gives it)."""
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry ("" for an id past the tokenizer's vocabulary that the
+        model's embedding still has)."""
+        return [self.backend.id_to_token(token) or "" for token in ids]
 
     def content_tokens_lower_bound(self, contents: list[str]) -> int:
         """Tokens that `contents` certainly take once rendered into a chat template."""
@@ -92,6 +136,12 @@ class ModelLimits:
     chat_template: bool
     tokenizer: PromptTokenizer | None
     workers: int
+    tool_format: ToolFormat | None = None
+    """The format the workers write tool calls in; None when they disagree or do not say."""
+    reasoning_format: ReasoningFormat | None = None
+    """The format the workers' model thinks in; None when they disagree or do not say."""
+    chat: ChatTemplate | None = None
+    """The workers' chat templates; None when they have none, disagree, or do not publish them."""
 
 
 class CardReader:
@@ -109,7 +159,8 @@ class CardReader:
         self._limits: ModelLimits | None = None
         self._read_at = -math.inf
         self._lock = anyio.Lock()
-        self._tokenizer: tuple[tuple[str, bool, int], PromptTokenizer] | None = None
+        self._tokenizer: tuple[tuple[str, bool, int, int | None], PromptTokenizer] | None = None
+        self._chat: tuple[str, ChatTemplate] | None = None
         self._announced: bool | None = None
 
     async def current(self) -> ModelLimits | None:
@@ -142,27 +193,56 @@ class CardReader:
                 cards.append(card)
         if not cards:
             return None
-        identities = {(c.tokenizer_digest, c.add_bos, c.bos_correction) for c in cards}
+        identities = {(c.tokenizer_digest, c.add_bos, c.bos_correction, c.bos_token_id) for c in cards}
         tokenizer = await self._load_tokenizer(identities.pop()) if len(identities) == 1 else None
+        templates = {c.chat_template_digest for c in cards}
+        digest = templates.pop() if len(templates) == 1 else None
+        formats = {c.tool_format for c in cards}
+        thinking = {c.reasoning_format for c in cards}
         return ModelLimits(vocab_size=max(c.vocab_size for c in cards), max_seq_len=max(c.max_seq_len for c in cards),
-                           chat_template=any(c.chat_template for c in cards), tokenizer=tokenizer, workers=len(cards))
+                           chat_template=any(c.chat_template for c in cards), tokenizer=tokenizer, workers=len(cards),
+                           tool_format=formats.pop() if len(formats) == 1 else None,
+                           reasoning_format=thinking.pop() if len(thinking) == 1 else None,
+                           chat=None if digest is None else await self._load_chat(digest))
 
-    async def _load_tokenizer(self, identity: tuple[str, bool, int]) -> PromptTokenizer | None:
+    async def _load_tokenizer(self, identity: tuple[str, bool, int, int | None]) -> PromptTokenizer | None:
         if self._tokenizer is not None and self._tokenizer[0] == identity:
             return self._tokenizer[1]
-        digest, add_bos, correction = identity
-        text = await self.client.get(tokenizer_key(digest, self.prefix))
-        if text is None or hashlib.sha256(text.encode()).hexdigest() != digest:
-            log.warning("the tokenizer %s of the model card is missing or altered; prompts are not counted", digest)
+        digest, add_bos, correction, bos_token_id = identity
+        text = await self._blob(tokenizer_key(digest, self.prefix), digest, "tokenizer")
+        if text is None:
             return None
         try:
             backend = await anyio.to_thread.run_sync(tokenizers.Tokenizer.from_str, text)
         except Exception as error:  # noqa: BLE001 - tokenizers raises bare Exception on JSON it cannot load
             log.warning("cannot load the tokenizer %s of the model card (%s); prompts are not counted", digest, error)
             return None
-        tokenizer = PromptTokenizer(backend, add_bos, correction)
+        tokenizer = PromptTokenizer(backend, add_bos, correction, bos_token_id)
         self._tokenizer = (identity, tokenizer)
         return tokenizer
+
+    async def _load_chat(self, digest: str) -> ChatTemplate | None:
+        if self._chat is not None and self._chat[0] == digest:
+            return self._chat[1]
+        text = await self._blob(chat_template_key(digest, self.prefix), digest, "chat template")
+        if text is None:
+            return None
+        try:
+            chat = CHAT_TEMPLATE_JSON.validate_json(text)
+        except ValidationError:
+            log.warning("the chat template %s of the model card is malformed; chats are not tokenized", digest)
+            return None
+        self._chat = (digest, chat)
+        return chat
+
+    async def _blob(self, key: str, digest: str, what: str) -> str | None:
+        """The text under `key` if its SHA-256 is `digest`, else None (logged)."""
+        text = await self.client.get(key)
+        assert not isinstance(text, bytes), "the client decodes responses"
+        if text is None or hashlib.sha256(text.encode()).hexdigest() != digest:
+            log.warning("the %s %s of the model card is missing or altered; it is not used", what, digest)
+            return None
+        return text
 
     def _announce(self, limits: ModelLimits | None) -> None:
         """One INFO line when the card appears or goes away, not one per read."""
@@ -190,7 +270,7 @@ async def check_request(limits: ModelLimits, request: GenerationRequest, *, stat
     if request.messages is not None and not limits.chat_template:
         problem = "messages: this model has no chat template; send prompt or input_ids"
         raise ApiError(status, "invalid_request", problem, param="messages", problems=[problem])
-    field, prompt_tokens, exact = await _prompt_tokens(limits.tokenizer, request)
+    field, prompt_tokens, exact = await _prompt_tokens(limits, request)
     completion = request.max_new_tokens
     if prompt_tokens + completion <= limits.max_seq_len:
         return
@@ -205,6 +285,10 @@ async def check_request(limits: ModelLimits, request: GenerationRequest, *, stat
         param=max_name if completion >= limits.max_seq_len else prompt_name)
 
 
+def _chat_tokens(tokenizer: PromptTokenizer, chat: ChatTemplate, request: GenerationRequest) -> int:
+    return len(tokenizer.rendered_ids(render_messages(request, chat)))
+
+
 def _token_ids(request: GenerationRequest) -> Iterator[tuple[str, int]]:
     sampling = request.sampling
     for field, ids in (("input_ids", request.input_ids or ()), ("stop_token_ids", request.stop_token_ids),
@@ -215,9 +299,12 @@ def _token_ids(request: GenerationRequest) -> Iterator[tuple[str, int]]:
             yield field, token
 
 
-async def _prompt_tokens(tokenizer: PromptTokenizer | None, request: GenerationRequest) -> tuple[str, int, bool]:
+async def _prompt_tokens(limits: ModelLimits, request: GenerationRequest) -> tuple[str, int, bool]:
     """(the prompt's field, its tokens or a lower bound of them, whether exact). Without a
-    tokenizer a prompt counts as one token: the worker refuses one that encodes to none."""
+    tokenizer a prompt counts as one token: the worker refuses one that encodes to none. A chat
+    is rendered as the worker renders it where the card carries the template, else (or when the
+    template refuses the chat: the worker reports that) bounded by its contents' tokens."""
+    tokenizer = limits.tokenizer
     if request.input_ids is not None:
         return "input_ids", len(request.input_ids), True
     if request.prompt is not None:
@@ -227,6 +314,11 @@ async def _prompt_tokens(tokenizer: PromptTokenizer | None, request: GenerationR
         return "prompt", count, True
     if tokenizer is None:
         return "messages", 1, False
+    if limits.chat is not None and (tokenizer.bos_token_id is not None or not tokenizer.add_bos):
+        try:
+            return "messages", await anyio.to_thread.run_sync(_chat_tokens, tokenizer, limits.chat, request), True
+        except (ProtocolError, ValueError):
+            pass
     contents = [m.content for m in request.messages or () if m.role in BOUNDED_ROLES]
     bound = await anyio.to_thread.run_sync(tokenizer.content_tokens_lower_bound, contents)
     return "messages", max(1, bound), False

@@ -1,15 +1,28 @@
 """OpenAI-compatible request and response shapes, and their translation to the genq protocol.
 
-Requests accept what OpenAI clients send: unknown fields are ignored (as vLLM does: SDKs add
-fields over time), known features genq lacks are refused with a 400 that names them (echo,
-suffix, best_of > 1, tools), and the values themselves are checked by GenerationRequest, so the
-limits are the protocol's. `n` (1 to MAX_N) is vLLM v1's parallel sampling: the gateway sends
-n child requests `<id>-0` ... `<id>-<n-1>` with the same prompt and settings (seeds seed + i, or
-each its own random seed), and the response, under `<id>`, has one choice per child
-(producer/gateway/app.py). Structured output: chat's response_format (json_object, json_schema)
-and vLLM's guided_json / guided_regex / guided_choice / guided_grammar on both endpoints become
-the request's constraint. Log-probabilities in OpenAI's shapes: chat's logprobs + top_logprobs,
-completions' logprobs (an int: that many alternatives). Extensions, as in vLLM: top_k, min_p,
+Requests accept what OpenAI clients send. Every OpenAI parameter is either supported, accepted
+and ignored for a stated reason (IGNORED_PARAMS: it cannot change the output genq gives), or
+refused with a 400 that names it (suffix, best_of > 1, audio, web search). A
+parameter nobody defines is refused too, as OpenAI does, so a misspelt `max_token` is a 400 and
+not a silent default; a deployment whose clients send vendor extras sets
+GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS (ignored, with a log line). The values themselves are checked
+by GenerationRequest, so the limits are the protocol's. `n` (1 to MAX_N) is the protocol's `n`: one task whose worker
+generates n samples side by side on the prompt computed once (seeds seed + i, or each its own
+random seed); the response has one choice per sample, by its index, and the usage counts the
+prompt once (streamed: see producer/gateway/app.py). Structured output: chat's response_format
+(json_object, json_schema) and vLLM's guided_json / guided_regex / guided_choice / guided_grammar
+and vLLM's newer structured_outputs object on both endpoints become the request's constraint;
+response_format {"type": "json_object", "schema": {...}} (llama.cpp's and Together's) keeps its
+schema. Log-probabilities in OpenAI's shapes: chat's logprobs + top_logprobs,
+completions' logprobs (an int: that many alternatives); the prompt's own, as vLLM's
+prompt_logprobs (both endpoints; streamed on the first chunk, where vLLM refuses them) and completions'
+echo with logprobs (streamed: each choice's first chunk). Completions'
+prompt is one prompt or a list of up to MAX_PROMPTS (CompletionRequest.prompts), each its own task
+(producer/gateway/completions.py). Tools: chat's tools, tool_choice and
+parallel_tool_calls (legacy functions / function_call become them) are the protocol's; history
+messages with tool_calls and role "tool" pass through; the answer's tool calls come from the
+worker's result, and streamed from ToolCallStream over the streamed text (docs/tools.md).
+Extensions, as in vLLM: top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, allowed_token_ids; and where vLLM has none, exllamav2's
 samplers under TabbyAPI's names: top_a, typical (or typical_p), tfs, skew, smoothing_factor,
 min_temp, max_temp, temp_exponent, temperature_last, mirostat_mode (0 or 2), mirostat_tau,
@@ -25,8 +38,11 @@ An omitted temperature means 1.0, OpenAI's default (genq's own default is greedy
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import (
@@ -39,24 +55,94 @@ from pydantic import (
     model_serializer,
 )
 
-from producer.protocol import DEFAULT_MAX_NEW_TOKENS, GenerationResult, TokenLogprob, Usage
+from producer.bounded_json import JsonLimitError, loads_bounded
+from producer.client import GenerationError, StreamRestarted
+from producer.protocol import (
+    DEFAULT_MAX_NEW_TOKENS,
+    MAX_N,
+    Choice,
+    GenerationResult,
+    StreamEvent,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+    grammar_syntax,
+)
+from producer.tool_calls import ArgumentsDelta, CallStart
+
+log = logging.getLogger(__name__)
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+MAX_PROMPTS = 32
+"""Prompts in one /v1/completions request: each is a task, and the request holds their streams."""
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat completions default to the protocol's."""
-FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "cancelled": "length"}
+OpenAIFinishReason = Literal["stop", "length", "tool_calls", "function_call"]
+FINISH_REASONS: dict[str, OpenAIFinishReason] = {
+    "stop": "stop", "length": "length", "deadline": "length", "cancelled": "length", "tool_calls": "tool_calls"}
 
-OpenAIFinishReason = Literal["stop", "length"]
-MAX_N = 16
-"""The most choices (`n`) one request may ask for: each is a child request of its own, a slot in a
-worker's batch and a stream for the gateway to follow, so n is bounded like the protocol's other
-per-request sizes (vLLM bounds it only by its batch; OpenAI's own limit is 128)."""
 SAME_NAMED_SAMPLERS = (
     "top_a", "typical", "tfs", "skew", "smoothing_factor", "min_temp", "max_temp", "temp_exponent",
     "temperature_last", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
     "dry_range", "xtc_probability", "xtc_threshold",
 )
 """The extensions whose TabbyAPI name is the protocol's sampling field."""
+OPENAI_NAMES: dict[str, str] = {
+    "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+    "sampling.token_bias": "logit_bias", "sampling.repetition_penalty_range": "penalty_range",
+    "sampling.repetition_penalty_decay": "repetition_decay", "sampling.mirostat": "mirostat_mode",
+    **{f"sampling.{name}": name for name in (
+        "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+        "repetition_penalty", "allowed_token_ids", "banned_token_ids", "dry_sequence_breakers",
+        *SAME_NAMED_SAMPLERS)},
+}
+"""The OpenAI endpoints' names of the protocol fields a refusal names."""
+_PROMPT_CACHE = "genq's prefix cache finds shared prompt prefixes by itself"
+_ABUSE_ID = "an end-user identifier for OpenAI's abuse monitoring; genq keeps none"
+IGNORED_PARAMS: dict[str, str] = {
+    "user": _ABUSE_ID,
+    "safety_identifier": _ABUSE_ID,
+    "store": "OpenAI's stored completions; genq stores none for later retrieval",
+    "metadata": "tags of OpenAI's stored completions",
+    "service_tier": "genq has one tier; the queue's priority is the native API's `priority`",
+    "prompt_cache_key": _PROMPT_CACHE,
+    "prompt_cache_retention": _PROMPT_CACHE,
+    "prompt_cache_options": _PROMPT_CACHE,
+    "prediction": "a speed hint (predicted output): the output is the same without it",
+    "reasoning_effort": "the models genq serves have no reasoning-effort control",
+    "verbosity": "the models genq serves have no verbosity control",
+    "moderation": "genq runs no moderation model",
+}
+"""OpenAI parameters accepted and ignored, each with the reason (docs/gateway.md lists them)."""
+REFUSED_PARAMS: dict[str, str] = {
+    "audio": "audio output is not supported by genq",
+    "web_search_options": "web search is not supported by genq",
+}
+"""OpenAI parameters refused whenever they are set (tools, echo, ... are checked by their models)."""
+_FIELD_RE = re.compile(r"(?:sampling\.)?\w+")
+
+
+def openai_param(path: str, names: Mapping[str, str] = OPENAI_NAMES) -> str:
+    """The OpenAI request's name of the parameter a protocol field path stands for
+    ("sampling.dry_base" -> "dry_base", "sampling.token_bias[3]" -> "logit_bias[3]"), so that a
+    refusal's `param` points at what was sent; a path with no OpenAI name is kept."""
+    field = _FIELD_RE.match(path)
+    if field is None or field[0] not in names:
+        return path
+    return names[field[0]] + path[field.end():]
+
+
+def openai_problem(problem: str, names: Mapping[str, str]) -> str:
+    """A protocol problem line ("max_new_tokens: ...") under the caller's names ("max_tokens: ..."),
+    the fields it names in its text too (a cross-field rule's "constraint|banned_strings: give at
+    most one of constraint and banned_strings")."""
+    path, colon, rest = problem.partition(":")
+    if not colon:
+        return problem
+    fields = path.split("|")
+    for field in fields:
+        rest = re.sub(rf"\b{re.escape(field)}\b", openai_param(field, names), rest)
+    return "|".join(openai_param(field, names) for field in fields) + colon + rest
 
 
 class UnsupportedParameter(ValueError):
@@ -76,6 +162,12 @@ class InvalidParameter(UnsupportedParameter):
     code = "invalid_request"
 
 
+class UnknownParameter(UnsupportedParameter):
+    """A parameter neither OpenAI nor genq defines (a misspelling, or another vendor's extra)."""
+
+    code = "unknown_parameter"
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -84,7 +176,21 @@ class StreamOptionsParam(_Lenient):
     include_usage: bool = False
 
 
-class _CommonParams(_Lenient):
+class StructuredOutputsParam(_Lenient):
+    """vLLM's structured_outputs object: one of json, regex, choice, grammar or json_object.
+    Its whitespace and fallback options tune vLLM's own backends and are ignored."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+
+class _CommonParams(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     model: str
     stream: bool = False
     stream_options: StreamOptionsParam | None = None
@@ -97,76 +203,88 @@ class _CommonParams(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = Field(None, description="accepted and ignored")
-    top_k: int | None = Field(None, description="genq extension (vLLM's): 0 = off")
-    min_p: float | None = Field(None, description="genq extension (vLLM's)")
-    repetition_penalty: float | None = Field(None, description="genq extension (vLLM's)")
-    min_tokens: int | None = Field(None, description="genq extension (vLLM's): stop tokens blocked until reached")
-    ignore_eos: bool | None = Field(None, description="genq extension (vLLM's)")
-    allowed_token_ids: list[int] | None = Field(None, description="genq extension (vLLM's): only these tokens")
-    top_a: float | None = Field(None, description="genq extension (TabbyAPI's)")
-    typical: float | None = Field(None, validation_alias=AliasChoices("typical", "typical_p"),
+    top_k: int | None = Field(default=None, description="genq extension (vLLM's): 0 = off")
+    min_p: float | None = Field(default=None, description="genq extension (vLLM's)")
+    repetition_penalty: float | None = Field(default=None, description="genq extension (vLLM's)")
+    min_tokens: int | None = Field(default=None,
+                                   description="genq extension (vLLM's): stop tokens blocked until reached")
+    ignore_eos: bool | None = Field(default=None, description="genq extension (vLLM's)")
+    allowed_token_ids: list[int] | None = Field(default=None, description="genq extension (vLLM's): only these tokens")
+    top_a: float | None = Field(default=None, description="genq extension (TabbyAPI's)")
+    typical: float | None = Field(default=None, validation_alias=AliasChoices("typical", "typical_p"),
                                   description="genq extension (TabbyAPI's): locally typical sampling")
-    tfs: float | None = Field(None, description="genq extension (TabbyAPI's): tail-free sampling")
-    skew: float | None = Field(None, description="genq extension (TabbyAPI's)")
-    smoothing_factor: float | None = Field(None, description="genq extension (TabbyAPI's): quadratic sampling")
-    min_temp: float | None = Field(None, description="genq extension (TabbyAPI's): dynamic temperature")
-    max_temp: float | None = Field(None, description="genq extension (TabbyAPI's): dynamic temperature")
-    temp_exponent: float | None = Field(None, description="genq extension (TabbyAPI's): dynamic temperature")
-    temperature_last: bool | None = Field(None, description="genq extension (TabbyAPI's)")
-    mirostat_mode: int | None = Field(None, description="genq extension (TabbyAPI's): 0 = off, 2 = mirostat v2")
-    mirostat_tau: float | None = Field(None, description="genq extension (TabbyAPI's)")
-    mirostat_eta: float | None = Field(None, description="genq extension (TabbyAPI's)")
-    dry_multiplier: float | None = Field(None, description="genq extension (TabbyAPI's): DRY, 0 = off")
-    dry_base: float | None = Field(None, description="genq extension (TabbyAPI's)")
-    dry_allowed_length: int | None = Field(None, description="genq extension (TabbyAPI's)")
-    dry_range: int | None = Field(None, description="genq extension (TabbyAPI's): 0 = the whole context")
+    tfs: float | None = Field(default=None, description="genq extension (TabbyAPI's): tail-free sampling")
+    skew: float | None = Field(default=None, description="genq extension (TabbyAPI's)")
+    smoothing_factor: float | None = Field(default=None, description="genq extension (TabbyAPI's): quadratic sampling")
+    min_temp: float | None = Field(default=None, description="genq extension (TabbyAPI's): dynamic temperature")
+    max_temp: float | None = Field(default=None, description="genq extension (TabbyAPI's): dynamic temperature")
+    temp_exponent: float | None = Field(default=None, description="genq extension (TabbyAPI's): dynamic temperature")
+    temperature_last: bool | None = Field(default=None, description="genq extension (TabbyAPI's)")
+    mirostat_mode: int | None = Field(default=None, description="genq extension (TabbyAPI's): 0 = off, 2 = mirostat v2")
+    mirostat_tau: float | None = Field(default=None, description="genq extension (TabbyAPI's)")
+    mirostat_eta: float | None = Field(default=None, description="genq extension (TabbyAPI's)")
+    dry_multiplier: float | None = Field(default=None, description="genq extension (TabbyAPI's): DRY, 0 = off")
+    dry_base: float | None = Field(default=None, description="genq extension (TabbyAPI's)")
+    dry_allowed_length: int | None = Field(default=None, description="genq extension (TabbyAPI's)")
+    dry_range: int | None = Field(default=None, description="genq extension (TabbyAPI's): 0 = the whole context")
     dry_sequence_breakers: list[str] | str | None = Field(
-        None, description='genq extension (TabbyAPI\'s): strings, or JSON strings in a string: "\\n", ":"')
-    xtc_probability: float | None = Field(None, description="genq extension (TabbyAPI's): XTC, 0 = off")
-    xtc_threshold: float | None = Field(None, description="genq extension (TabbyAPI's)")
+        default=None, description='genq extension (TabbyAPI\'s): strings, or JSON strings in a string: "\\n", ":"')
+    xtc_probability: float | None = Field(default=None, description="genq extension (TabbyAPI's): XTC, 0 = off")
+    xtc_threshold: float | None = Field(default=None, description="genq extension (TabbyAPI's)")
     penalty_range: int | None = Field(
-        None, validation_alias=AliasChoices("penalty_range", "repetition_penalty_range"),
+        default=None, validation_alias=AliasChoices("penalty_range", "repetition_penalty_range"),
         description="genq extension (TabbyAPI's): repetition_penalty over the last N tokens, -1 = all")
-    repetition_decay: int | None = Field(None, description="genq extension (TabbyAPI's): the penalty fades out "
-                                                           "over this many tokens before the range")
-    banned_strings: list[str] | str | None = Field(None, description="genq extension (TabbyAPI's): text the "
-                                                                     "output never contains")
-    token_healing: bool | None = Field(None, description="genq extension (TabbyAPI's): regenerate the prompt's "
-                                                         "last token")
-    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension: a JSON Schema")
-    guided_regex: str | None = Field(None, description="vLLM extension")
-    guided_choice: list[str] | None = Field(None, description="vLLM extension")
-    guided_grammar: str | None = Field(None, description="vLLM extension: Lark, or GBNF (llama.cpp's)")
+    repetition_decay: int | None = Field(default=None, description="genq extension (TabbyAPI's): the penalty fades out "
+                                                                   "over this many tokens before the range")
+    banned_strings: list[str] | str | None = Field(default=None, description="genq extension (TabbyAPI's): text the "
+                                                                             "output never contains")
+    token_healing: bool | None = Field(default=None, description="genq extension (TabbyAPI's): regenerate the prompt's "
+                                                                 "last token")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM extension: a JSON Schema")
+    guided_regex: str | None = Field(default=None, description="vLLM extension")
+    guided_choice: list[str] | None = Field(default=None, description="vLLM extension")
+    guided_grammar: str | None = Field(default=None, description="vLLM extension: Lark, or GBNF (llama.cpp's)")
+    structured_outputs: StructuredOutputsParam | None = Field(
+        default=None, description="vLLM extension: {json | regex | choice | grammar | json_object: ...}")
+    prompt_logprobs: int | None = Field(
+        default=None, description="vLLM extension: each prompt token's logprob and this many alternatives "
+                                  "(streamed too, unlike vLLM: on the first chunk)")
 
-    def _check_supported(self) -> None:
+    def _check_supported(self, ignore_unknown: bool) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise InvalidParameter("n", f"the number of choices must be from 1 to {MAX_N}, got {self.n}")
+        extras = self.model_extra or {}
+        for name, why in REFUSED_PARAMS.items():
+            if extras.get(name) is not None:
+                raise UnsupportedParameter(name, why)
+        if extras.get("modalities") not in (None, ["text"]):
+            raise UnsupportedParameter("modalities", f'only ["text"] is supported, got {extras["modalities"]!r}')
+        unknown = sorted(set(extras) - IGNORED_PARAMS.keys() - REFUSED_PARAMS.keys() - {"modalities"})
+        if unknown and ignore_unknown:
+            log.info("ignoring unknown parameters: %s", ", ".join(unknown))
+        elif unknown:
+            raise UnknownParameter(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
+                                               f"{', '.join(repr(name) for name in unknown)} (neither OpenAI's nor a "
+                                               "genq extension; docs/gateway.md lists them)")
+
+    def param_names(self) -> dict[str, str]:
+        """The names this request gave the protocol fields a refusal may name: OPENAI_NAMES, with
+        the constraint named after the parameter that asked for it."""
+        asked = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                   "structured_outputs") if getattr(self, name) is not None]
+        return {**OPENAI_NAMES, **({"constraint": asked[0]} if asked else {})}
 
     @property
     def n_choices(self) -> int:
-        """How many choices (child requests) the request asks for."""
+        """How many choices (the protocol's samples) the request asks for."""
         return 1 if self.n is None else self.n
 
-    def _guided(self) -> dict[str, tuple[str, Any]]:
+    def _guided(self) -> dict[str, dict[str, Any]]:
         """The vLLM guided_* parameters given: name -> the protocol constraint they ask for."""
-        guided: dict[str, tuple[str, Any]] = {}
-        if self.guided_json is not None:
-            schema = self.guided_json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as error:
-                    raise InvalidParameter("guided_json", f"not valid JSON ({error})") from None
-            guided["guided_json"] = ("json_schema", {"type": "json_schema", "json_schema": schema})
-        if self.guided_regex is not None:
-            guided["guided_regex"] = ("regex", {"type": "regex", "pattern": self.guided_regex})
-        if self.guided_choice is not None:
-            guided["guided_choice"] = ("choice", {"type": "choice", "choices": self.guided_choice})
-        if self.guided_grammar is not None:
-            syntax = "gbnf" if "::=" in self.guided_grammar else "lark"
-            guided["guided_grammar"] = ("grammar", {"type": "grammar", "syntax": syntax,
-                                                    "grammar": self.guided_grammar})
+        guided = _constraints(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar,
+                              "guided_{}".format)
+        if self.structured_outputs is not None:
+            guided["structured_outputs"] = _structured_output(self.structured_outputs)
         return guided
 
     @staticmethod
@@ -187,7 +305,9 @@ class _CommonParams(_Lenient):
         breakers = self.dry_sequence_breakers
         if isinstance(breakers, str):  # TabbyAPI's (SillyTavern's): JSON strings in a string, brackets optional
             try:
-                breakers = json.loads(breakers if breakers.lstrip().startswith("[") else f"[{breakers}]")
+                breakers = loads_bounded(breakers if breakers.lstrip().startswith("[") else f"[{breakers}]")
+            except JsonLimitError as error:
+                raise InvalidParameter("dry_sequence_breakers", f"a JSON string {error}") from None
             except json.JSONDecodeError as error:
                 raise InvalidParameter("dry_sequence_breakers", f"not a JSON array of strings ({error})") from None
         sampling["dry_sequence_breakers"] = breakers
@@ -205,6 +325,7 @@ class _CommonParams(_Lenient):
             "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "sampling": {name: value for name, value in sampling.items() if value is not None},
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "n": self.n_choices,
         }
         if self.min_tokens is not None:
             fields["min_new_tokens"] = self.min_tokens
@@ -215,6 +336,8 @@ class _CommonParams(_Lenient):
             fields["banned_strings"] = [banned] if isinstance(banned, str) else banned
         if self.token_healing is not None:
             fields["token_healing"] = self.token_healing
+        if self.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = self.prompt_logprobs
         return fields
 
     @property
@@ -226,31 +349,49 @@ class CompletionRequest(_CommonParams):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = None
-    logprobs: int | None = Field(None, description="the chosen tokens' logprobs and this many alternatives")
+    echo: bool | None = Field(default=None, description="each choice's text begins with its prompt")
+    logprobs: int | None = Field(default=None, description="the chosen tokens' logprobs and this many alternatives")
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_request_fields(self) -> dict[str, Any]:
-        """The GenerationRequest fields (not yet validated) this request asks for."""
-        self._check_supported()
-        for param, value, neutral in (("echo", self.echo, (None, False)), ("best_of", self.best_of, (None, 1)),
-                                      ("suffix", self.suffix, (None, ""))):
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each its own task: a string or a token-id list alone, or each of a list of
+        them (at most MAX_PROMPTS)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidParameter("prompt", "give a prompt: a string, token ids, or a list of either")
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidParameter("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return list(prompt)  # type: ignore[arg-type]  # strings or token-id lists, as the union's members
+
+    @property
+    def batched(self) -> bool:
+        """Whether the prompt is a list of prompts (each named prompt[i] in a refusal)."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """echo with logprobs: each choice's logprobs begin with its prompt's."""
+        return bool(self.echo) and self.logprobs is not None
+
+    def to_request_fields(self, ignore_unknown: bool = False) -> dict[str, Any]:
+        """The GenerationRequest fields (not yet validated) this request asks for, but its prompt:
+        prompts() gives each task's."""
+        self._check_supported(ignore_unknown)
+        for param, value, neutral in (("best_of", self.best_of, (None, 1)), ("suffix", self.suffix, (None, ""))):
             if value not in neutral:
                 raise UnsupportedParameter(param, "not supported by genq")
         fields = self._request_fields(self.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
         if self.logprobs is not None:
             fields["logprobs"] = True
             fields["top_logprobs"] = self.logprobs
-        constraint = self._one_constraint({name: c for name, (_, c) in self._guided().items()})
+        if self.echo_logprobs:
+            fields["prompt_logprobs"] = max(self.logprobs or 0, self.prompt_logprobs or 0)
+        constraint = self._one_constraint(self._guided())
         if constraint is not None:
             fields["constraint"] = constraint
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise UnsupportedParameter("prompt", f"one prompt per request, got a batch of {len(prompt)}")
-            prompt = prompt[0]
-        fields["input_ids" if isinstance(prompt, list) else "prompt"] = prompt
         return fields
 
 
@@ -262,6 +403,23 @@ class TextPart(_Lenient):
 class ChatMessageParam(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def fields(self, index: int) -> dict[str, Any]:
+        """The protocol's ChatMessage fields of this message. OpenAI's "developer" role is its
+        newer name for the system prompt; a tool call's arguments given as an object (some
+        clients send one) become its JSON text."""
+        fields: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                  "content": self.text(index)}
+        if self.tool_calls:
+            fields["tool_calls"] = [_history_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -288,13 +446,26 @@ class ChatCompletionRequest(_CommonParams):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM extension: extra chat template variables (e.g. enable_thinking)")
+    add_generation_prompt: bool | None = Field(default=None, description="vLLM extension (default true)")
+    continue_final_message: bool | None = Field(
+        default=None, description="vLLM extension: continue the last (assistant) message instead of answering it")
 
-    def to_request_fields(self) -> dict[str, Any]:
-        self._check_supported()
-        if self.tools or self.functions or self.tool_choice not in (None, "none"):
-            raise UnsupportedParameter("tools", "tool calling is not supported by genq")
+    def param_names(self) -> dict[str, str]:
+        names = super().param_names()
+        if self.max_completion_tokens is not None:
+            names["max_new_tokens"] = "max_completion_tokens"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            names["constraint"] = "response_format"
+        return names
+
+    def to_request_fields(self, ignore_unknown: bool = False) -> dict[str, Any]:
+        self._check_supported(ignore_unknown)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self._request_fields(max_tokens, DEFAULT_MAX_NEW_TOKENS)
         if self.top_logprobs and not self.logprobs:
@@ -302,17 +473,42 @@ class ChatCompletionRequest(_CommonParams):
         if self.logprobs:
             fields["logprobs"] = True
             fields["top_logprobs"] = self.top_logprobs or 0
-        asked = {name: c for name, (_, c) in self._guided().items()}
+        asked = self._guided()
         response_format = self._response_format()
         if response_format is not None:
             asked["response_format"] = response_format
         constraint = self._one_constraint(asked)
         if constraint is not None:
             fields["constraint"] = constraint
-        # OpenAI's "developer" role is its newer name for the system prompt.
-        fields["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                              for i, m in enumerate(self.messages)]
+        fields["messages"] = [m.fields(i) for i, m in enumerate(self.messages)]
+        fields.update(self._tool_fields())
+        for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
         return fields
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request uses the legacy functions: its call is answered as `function_call`."""
+        return self.functions is not None
+
+    def _tool_fields(self) -> dict[str, Any]:
+        """tools, tool_choice and parallel_tool_calls, from the legacy functions and function_call
+        where those are given instead (the values are the protocol's to check)."""
+        if self.functions is not None or self.function_call is not None:
+            if self.tools is not None or self.tool_choice is not None:
+                raise InvalidParameter("functions", "give tools and tool_choice, or the legacy functions and "
+                                                    "function_call, not both")
+            tools = None if self.functions is None else [{"type": "function", "function": f} for f in self.functions]
+            call = self.function_call
+            choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+            # The legacy answer holds one function_call.
+            fields: dict[str, Any] = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
+        else:
+            fields = {"tools": self.tools, "tool_choice": self.tool_choice}
+        if self.parallel_tool_calls is not None and not self.legacy_functions:
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        return {name: value for name, value in fields.items() if value is not None}
 
     def _response_format(self) -> dict[str, Any] | None:
         """OpenAI's response_format as a protocol constraint (None for text)."""
@@ -320,6 +516,8 @@ class ChatCompletionRequest(_CommonParams):
         kind = "text" if format_ is None else format_.get("type")
         if kind == "text":
             return None
+        if kind == "json_object" and format_ and "schema" in format_:  # llama.cpp's and Together's form
+            return _json_schema(format_["schema"], "response_format.schema")
         if kind == "json_object":
             return {"type": "json_object"}
         if kind == "json_schema":
@@ -330,6 +528,61 @@ class ChatCompletionRequest(_CommonParams):
                                        'json_schema needs {"name": ..., "schema": {<a JSON Schema>}}')
             return {"type": "json_schema", "json_schema": schema}
         raise InvalidParameter("response_format.type", f"text, json_object or json_schema, got {kind!r}")
+
+
+def _history_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as the protocol takes it: OpenAI's id, type and function
+    (name, arguments as JSON text); other keys some clients add are dropped."""
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return {key: call.get(key) for key in ("id", "type", "function") if key in call}
+    arguments = function.get("arguments")
+    if isinstance(arguments, (dict, list)):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": call.get("id"), "type": call.get("type", "function"),
+            "function": {"name": function.get("name"), "arguments": arguments}}
+
+
+def _json_schema(schema: dict[str, Any] | str | Any, param: str) -> dict[str, Any]:
+    """A JSON Schema given as an object or as a JSON string, as the protocol's constraint."""
+    if isinstance(schema, str):
+        try:
+            schema = loads_bounded(schema)
+        except JsonLimitError as error:
+            raise InvalidParameter(param, f"a JSON string {error}") from None
+        except json.JSONDecodeError as error:
+            raise InvalidParameter(param, f"not valid JSON ({error})") from None
+    if not isinstance(schema, dict):
+        raise InvalidParameter(param, f"a JSON Schema is an object, got {type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _constraints(schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None,
+                 grammar: str | None, param: Callable[[str], str]) -> dict[str, dict[str, Any]]:
+    """The constraints vLLM's json / regex / choice / grammar parameters ask for, by the name
+    `param` gives each ("guided_json", "structured_outputs.json", ...)."""
+    asked: dict[str, dict[str, Any]] = {}
+    if schema is not None:
+        asked[param("json")] = _json_schema(schema, param("json"))
+    if regex is not None:
+        asked[param("regex")] = {"type": "regex", "pattern": regex}
+    if choice is not None:
+        asked[param("choice")] = {"type": "choice", "choices": choice}
+    if grammar is not None:
+        asked[param("grammar")] = {"type": "grammar", "syntax": grammar_syntax(grammar), "grammar": grammar}
+    return asked
+
+
+def _structured_output(param: StructuredOutputsParam) -> dict[str, Any]:
+    if param.structural_tag is not None:
+        raise UnsupportedParameter("structured_outputs.structural_tag", "structural tags are not supported by genq")
+    asked = _constraints(param.json_, param.regex, param.choice, param.grammar, "structured_outputs.{}".format)
+    if param.json_object:
+        asked["structured_outputs.json_object"] = {"type": "json_object"}
+    if len(asked) != 1:
+        raise InvalidParameter("structured_outputs", "exactly one of json, regex, choice, grammar or json_object, "
+                                                     f"got {', '.join(asked) or 'none'}")
+    return next(iter(asked.values()))
 
 
 # --- responses -----------------------------------------------------------------------
@@ -346,17 +599,12 @@ class CompletionUsage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def from_usage(cls, usage: Usage | Sequence[Usage]) -> CompletionUsage:
-        """One request's usage, or the sum over the children of an n > 1 request: their prompt is
-        the same, so it is counted once (the first child's count), their completions are summed,
-        and cached_tokens is what no child had to compute: the prompt less the prompt tokens each
-        child computed, at least 0 (the single usage's own cached_tokens when n = 1)."""
-        usages = [usage] if isinstance(usage, Usage) else list(usage)
-        prompt = usages[0].prompt_tokens
-        completion = sum(u.completion_tokens for u in usages)
-        computed = sum(max(0, u.prompt_tokens - u.cached_tokens) for u in usages)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=max(0, prompt - computed)))
+    def from_usage(cls, usage: Usage) -> CompletionUsage:
+        """A request's usage; with n > 1 the protocol's already counts the shared prompt once and
+        sums the samples' completions."""
+        return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                   total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens))
 
 
 class TopLogprobEntry(BaseModel):
@@ -388,31 +636,107 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The completions endpoint's (legacy) logprobs object: parallel lists per generated token."""
+    """The completions endpoint's (legacy) logprobs object: parallel lists per token; with echo the
+    prompt's tokens come first, the first of them with null logprob and alternatives."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
     @classmethod
     def from_tokens(cls, logprobs: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
         if logprobs is None:
             return None
+        return cls.of([(lp.token, lp) for lp in logprobs], offset)
+
+    @classmethod
+    def of(cls, tokens: list[tuple[str, TokenLogprob | None]], offset: int = 0, alternatives: int | None = None
+           ) -> CompletionLogprobs:
+        """From (text, logprob or None) per token; `alternatives` cuts each token's alternatives."""
         offsets = []
-        for lp in logprobs:
+        for text, _ in tokens:
             offsets.append(offset)
-            offset += len(lp.token)
-        return cls(tokens=[lp.token for lp in logprobs], token_logprobs=[lp.logprob for lp in logprobs],
-                   top_logprobs=[{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+            offset += len(text)
+        return cls(tokens=[text for text, _ in tokens],
+                   token_logprobs=[None if lp is None else lp.logprob for _, lp in tokens],
+                   top_logprobs=[None if lp is None else {t.token: t.logprob for t in lp.top_logprobs[:alternatives]}
+                                 for _, lp in tokens],
                    text_offset=offsets)
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: rank 1 is the likeliest token; genq knows the ranks of the alternatives
+    only, so a prompt token that is not among them has rank null."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's prompt_logprobs: per prompt token, {token id: its logprob} for the token itself and its
+position's alternatives; null for the first token, which nothing precedes."""
+
+
+@dataclass(frozen=True)
+class ScoredPrompt:
+    """A task's prompt as the model read it, with its log-probabilities: from its result, or,
+    streamed, from the one chunk of an attempt that carries them (docs/protocol.md section 3)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+    @classmethod
+    def of(cls, source: GenerationResult | StreamEvent) -> ScoredPrompt:
+        if source.prompt_logprobs is None or source.prompt_token_ids is None:
+            raise MissingPromptLogprobs(source.id)
+        return cls(source.prompt_token_ids, source.prompt_logprobs)
+
+
+def prompt_logprobs(scored: ScoredPrompt, alternatives: int) -> PromptLogprobs:
+    """The prompt log-probabilities in vLLM's shape, `alternatives` per token."""
+    shaped: PromptLogprobs = []
+    for lp in scored.logprobs:
+        if lp is None:
+            shaped.append(None)
+            continue
+        top = lp.top_logprobs[:alternatives]
+        ranks = {t.token_id: rank for rank, t in enumerate(lp.top_logprobs, start=1)}
+        entry = {str(lp.token_id): PromptLogprob(logprob=lp.logprob, rank=ranks.get(lp.token_id),
+                                                 decoded_token=lp.token)}
+        for rank, t in enumerate(top, start=1):
+            entry.setdefault(str(t.token_id), PromptLogprob(logprob=t.logprob, rank=rank, decoded_token=t.token))
+        shaped.append(entry)
+    return shaped
+
+
+class MissingPromptLogprobs(RuntimeError):
+    """A worker answered a request for prompt log-probabilities without them (one that predates them)."""
+
+    def __init__(self, identifier: str) -> None:
+        super().__init__(f"request {identifier}: the worker returned no prompt log-probabilities (a worker older "
+                         "than prompt_logprobs?)")
+
+
+class _PromptLogprobsWhenAsked(BaseModel):
+    """Leaves prompt_logprobs out unless asked for, as vLLM does."""
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_when_asked(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = serialize(self)
+        if fields.get("prompt_logprobs") is None:
+            fields.pop("prompt_logprobs", None)
+        return fields
+
+
+class CompletionChoice(_PromptLogprobsWhenAsked):
     index: int = 0
     text: str
     finish_reason: OpenAIFinishReason | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="vLLM's, when asked (streamed: on "
+                                                                         "each choice's first chunk)")
 
 
 class Completion(BaseModel):
@@ -424,9 +748,44 @@ class Completion(BaseModel):
     usage: CompletionUsage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    """A call in the answer's message: OpenAI's id, type and function (arguments as JSON text)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+    @classmethod
+    def from_call(cls, call: ToolCall) -> ChatToolCall:
+        return cls(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
 class AssistantMessage(BaseModel):
+    """The answer: with tool calls, content is the text outside them; after a thought
+    (reasoning_content, vLLM's field), the text after it; null when there is none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    function_call: FunctionCallOut | None = Field(
+        default=None, description="the call, for a request with the legacy functions (which allow one)")
+
+    @classmethod
+    def from_choice(cls, choice: Choice, legacy_functions: bool = False) -> AssistantMessage:
+        if choice.tool_calls is None and choice.reasoning_content is None:
+            return cls(content=choice.text)
+        calls = [ChatToolCall.from_call(call) for call in choice.tool_calls or ()]
+        if legacy_functions:
+            return cls(content=choice.content or None, reasoning_content=choice.reasoning_content,
+                       function_call=calls[0].function if calls else None)
+        return cls(content=choice.content or None, reasoning_content=choice.reasoning_content,
+                   tool_calls=None if choice.tool_calls is None else calls or None)
 
 
 class ChatChoice(BaseModel):
@@ -436,21 +795,27 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_PromptLogprobsWhenAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: CompletionUsage
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="vLLM's, when asked")
 
 
 class ChatDelta(BaseModel):
-    """Only what changed: `{"role": "assistant", "content": ""}` first, then `{"content": ...}`,
+    """Only what changed: `{"role": "assistant", "content": ""}` first, then
+    `{"reasoning_content": ...}` (a thought, vLLM's field), `{"content": ...}` or
+    `{"tool_calls": [...]}` (tool_call_delta; `{"function_call": ...}` for the legacy functions),
     and `{}` in the final chunk, as OpenAI sends them."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, serialize: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -464,13 +829,14 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_PromptLogprobsWhenAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: CompletionUsage | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, description="vLLM's, when asked: on the first chunk")
 
 
 class ModelCard(BaseModel):
@@ -485,25 +851,137 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def openai_finish_reason(finish_reason: str) -> OpenAIFinishReason:
-    return FINISH_REASONS[finish_reason]  # type: ignore[return-value]
+STREAM_FAILURES = (GenerationError, MissingPromptLogprobs, StreamRestarted, TimeoutError)
+"""What ends an OpenAI stream after its 200 with an error chunk (stream_error)."""
+_STREAM_FAILURE_CODES: dict[type[Exception], str] = {
+    GenerationError: "generation_failed", MissingPromptLogprobs: "missing_prompt_logprobs",
+    StreamRestarted: "stream_restarted", TimeoutError: "timeout"}
 
 
-def completion_response(identifier: str, model: str, results: Sequence[GenerationResult]) -> Completion:
-    """The answer to a request of len(results) choices, choice i from results[i]."""
-    return Completion(id=identifier, created=int(time.time()), model=model,
-                      choices=[CompletionChoice(index=i, text=result.text,
-                                                finish_reason=openai_finish_reason(result.finish_reason),
-                                                logprobs=CompletionLogprobs.from_tokens(result.logprobs))
-                               for i, result in enumerate(results)],
-                      usage=CompletionUsage.from_usage([result.usage for result in results]))
+def stream_error(failure: Exception) -> str:
+    """The last message of a stream that failed after its 200: OpenAI's error object, with the
+    failure's code (the worker's own message for a failed task)."""
+    code = next(code for kind, code in _STREAM_FAILURE_CODES.items() if isinstance(failure, kind))
+    message = failure.message if isinstance(failure, GenerationError) else str(failure)
+    return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'code': code}})}\n\n"
 
 
-def chat_response(identifier: str, model: str, results: Sequence[GenerationResult]) -> ChatCompletion:
-    """The answer to a request of len(results) choices, choice i from results[i]."""
+def openai_finish_reason(finish_reason: str, legacy_functions: bool = False) -> OpenAIFinishReason:
+    """OpenAI's finish_reason; a call answers a request with the legacy `functions` "function_call"."""
+    reason = FINISH_REASONS[finish_reason]
+    return "function_call" if legacy_functions and reason == "tool_calls" else reason
+
+
+def tool_call_delta(delta: CallStart | ArgumentsDelta) -> dict[str, Any]:
+    """A parser delta as OpenAI's streamed `delta.tool_calls[i]`: the call's id, type, name and
+    arguments "" when it starts, then pieces of its arguments."""
+    if isinstance(delta, CallStart):
+        return {"index": delta.index, "id": delta.id, "type": "function",
+                "function": {"name": delta.name, "arguments": ""}}
+    return {"index": delta.index, "function": {"arguments": delta.text}}
+
+
+def function_call_delta(delta: CallStart | ArgumentsDelta) -> dict[str, Any]:
+    """A parser delta as the legacy streamed `delta.function_call` (a request with `functions`):
+    the name and arguments "" when the call starts, then pieces of its arguments."""
+    if isinstance(delta, CallStart):
+        return {"name": delta.name, "arguments": ""}
+    return {"arguments": delta.text}
+
+
+def samples(result: GenerationResult) -> list[Choice]:
+    """The result's samples, by index: its choices, or (n = 1) the result itself as choice 0."""
+    if result.choices is not None:
+        return sorted(result.choices, key=lambda choice: choice.index)
+    return [Choice(index=0, text=result.text, token_ids=result.token_ids, logprobs=result.logprobs,
+                   finish_reason=result.finish_reason, content=result.content, tool_calls=result.tool_calls,
+                   reasoning_content=result.reasoning_content)]
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """The usage of a request of several tasks (one per prompt): their counts summed."""
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=sum(u.cached_tokens for u in usages))
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a completions request shows of each prompt: its text (echo), its tokens' logprobs in
+    the legacy object (echo with logprobs: `alternatives` each; token_text names the tokens that
+    have none, the first), and vLLM's prompt_logprobs."""
+
+    texts: list[str] | None = None
+    alternatives: int | None = None
+    token_text: Callable[[int], str] | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether the answer shows the prompts' log-probabilities (streamed, each choice's first
+        chunk waits for them)."""
+        return self.alternatives is not None or self.prompt_logprobs is not None
+
+    def choice(self, prompt: int, index: int, result: GenerationResult, sample: Choice) -> CompletionChoice:
+        """Choice `index` of the answer: sample `sample` of the task of prompt `prompt`."""
+        scored = ScoredPrompt.of(result) if self.scores_prompts else None
+        opening = self.opening(prompt, index, scored)
+        logprobs = CompletionLogprobs.from_tokens(sample.logprobs)
+        if opening.logprobs is not None:
+            assert scored is not None
+            logprobs = CompletionLogprobs.of([*self._prompt_tokens(scored),
+                                              *((lp.token, lp) for lp in sample.logprobs or ())],
+                                             alternatives=self.alternatives)
+        return opening.model_copy(update={"text": opening.text + sample.text, "logprobs": logprobs,
+                                          "finish_reason": openai_finish_reason(sample.finish_reason)})
+
+    def opening(self, prompt: int, index: int, scored: ScoredPrompt | None) -> CompletionChoice:
+        """What choice `index` shows of its prompt, streamed as its first chunk: the echo (with
+        logprobs, the prompt's tokens in the legacy object) and vLLM's prompt_logprobs, from
+        `scored` (needed when scores_prompts)."""
+        echoed = "" if self.texts is None else self.texts[prompt]
+        logprobs = None
+        if self.alternatives is not None and self.texts is not None:
+            assert scored is not None
+            logprobs = CompletionLogprobs.of(self._prompt_tokens(scored), alternatives=self.alternatives)
+        shaped = None
+        if self.prompt_logprobs is not None:
+            assert scored is not None
+            shaped = prompt_logprobs(scored, self.prompt_logprobs)
+        return CompletionChoice(index=index, text=echoed, logprobs=logprobs, finish_reason=None,
+                                prompt_logprobs=shaped)
+
+    def _prompt_tokens(self, scored: ScoredPrompt) -> list[tuple[str, TokenLogprob | None]]:
+        """The prompt's tokens as the legacy object lists them: a token with no logprob (the
+        first) named by the model card's tokenizer."""
+        assert self.token_text is not None, "echo with logprobs is answered with the card's tokenizer"
+        return [(self.token_text(token) if lp is None else lp.token, lp)
+                for token, lp in zip(scored.token_ids, scored.logprobs)]
+
+
+def completion_response(identifier: str, model: str, results: list[GenerationResult], echo: Echo) -> Completion:
+    """The answer to a request of one task per prompt: each task's samples in turn, choice
+    prompt * n + sample (OpenAI's order), and the usage of all."""
+    choices = []
+    for prompt, result in enumerate(results):
+        picked = samples(result)
+        choices += [echo.choice(prompt, prompt * len(picked) + sample.index, result, sample) for sample in picked]
+    return Completion(id=identifier, created=int(time.time()), model=model, choices=choices,
+                      usage=CompletionUsage.from_usage(total_usage([result.usage for result in results])))
+
+
+def chat_response(identifier: str, model: str, result: GenerationResult, alternatives: int | None = None,
+                  legacy_functions: bool = False) -> ChatCompletion:
+    """The answer to a request: one choice per sample; with `alternatives` (prompt_logprobs) the
+    prompt's log-probabilities, vLLM's top-level field; a call as `function_call` for a request
+    with the legacy functions."""
     return ChatCompletion(id=identifier, created=int(time.time()), model=model,
-                          choices=[ChatChoice(index=i, message=AssistantMessage(content=result.text),
-                                              finish_reason=openai_finish_reason(result.finish_reason),
-                                              logprobs=ChatLogprobs.from_tokens(result.logprobs))
-                                   for i, result in enumerate(results)],
-                          usage=CompletionUsage.from_usage([result.usage for result in results]))
+                          prompt_logprobs=None if alternatives is None
+                          else prompt_logprobs(ScoredPrompt.of(result), alternatives),
+                          choices=[ChatChoice(index=choice.index,
+                                              message=AssistantMessage.from_choice(choice, legacy_functions),
+                                              finish_reason=openai_finish_reason(choice.finish_reason,
+                                                                                 legacy_functions),
+                                              logprobs=ChatLogprobs.from_tokens(choice.logprobs))
+                                   for choice in samples(result)],
+                          usage=CompletionUsage.from_usage(result.usage))

@@ -14,30 +14,76 @@ from producer.settings import ClientSettings
 class GatewaySettings(ClientSettings):
     model_config = SettingsConfigDict(env_prefix="GENQ_GATEWAY_", extra="ignore", populate_by_name=True)
 
-    host: str = Field("127.0.0.1", description="address `genq gateway` binds")
-    port: int = Field(8000, ge=0, le=65535, description="port `genq gateway` binds")
-    token: SecretStr | None = Field(None, description="bearer token every endpoint accepts")
-    allow_anonymous: bool = Field(False, description="serve without any credentials (development only)")
-    model_name: str = Field("genq", min_length=1, description="the model name the OpenAI endpoints serve")
-    max_queue_depth: int | None = Field(1000, ge=0, description="429 when more tasks than this wait in the queue")
-    retry_after_s: int = Field(5, ge=1, description="Retry-After of a 429")
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="413 for a larger request body")
-    replay_window_s: int = Field(300, ge=1, description="signed requests are accepted this close to their timestamp")
-    stream_idle_timeout_s: float = Field(600.0, gt=0, description="a stream ends after this long without an event")
-    keepalive_s: float = Field(15.0, gt=0, description="SSE comment sent when a stream is idle this long")
-    result_timeout_s: float = Field(3600.0, gt=0, description="longest wait for a non-streamed OpenAI answer")
-    card_refresh_s: float = Field(5.0, gt=0, description="re-read the workers' model card (the limits requests "
-                                                         "are checked against before queueing) at most this often")
+    host: str = Field(default="127.0.0.1", description="address `genq gateway` binds")
+    port: int = Field(default=8000, ge=0, le=65535, description="port `genq gateway` binds")
+    token: SecretStr | None = Field(default=None, description="bearer token every endpoint accepts")
+    allow_anonymous: bool = Field(default=False, description="serve without any credentials (development only)")
+    model_name: str = Field(default="genq", min_length=1, description="the model name the OpenAI endpoints serve")
+    max_queue_depth: int | None = Field(default=1000, ge=0,
+                                        description="429 when more tasks than this wait in the queue")
+    retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="413 for a larger request body")
+    replay_window_s: int = Field(default=300, ge=1,
+                                 description="signed requests are accepted this close to their timestamp")
+    stream_idle_timeout_s: float = Field(default=600.0, gt=0,
+                                         description="a stream ends after this long without an event")
+    keepalive_s: float = Field(default=15.0, gt=0, description="SSE comment sent when a stream is idle this long")
+    result_timeout_s: float = Field(default=3600.0, gt=0, description="longest wait for a non-streamed OpenAI answer")
+    ignore_unknown_params: bool = Field(
+        default=False, description="ignore (and log) OpenAI request parameters nobody defines instead of "
+                                   "answering 400; for clients that send other vendors' extras")
+    card_refresh_s: float = Field(default=5.0, gt=0,
+                                  description="re-read the workers' model card (the limits requests "
+                                              "are checked against before queueing) at most this often")
+    max_streams_per_task: int = Field(default=16, ge=1,
+                                      description="SSE streams (native and OpenAI) of one task open at once on "
+                                                  "this gateway process; 429 past it")
+    max_streams_per_client: int = Field(default=64, ge=1,
+                                        description="SSE streams one client (a credential from one address) holds "
+                                                    "open at once on this gateway process; 429 past it")
+    stream_buffer_events: int = Field(default=1024, ge=1,
+                                      description="live events waiting for one SSE reader; past it the reader "
+                                                  "has fallen behind and its stream ends with a `resume` event")
+    pubsub_connections: int = Field(default=4, ge=1, le=64,
+                                    description="Redis pub/sub connections every SSE reader is multiplexed over")
+    redis_max_connections: int = Field(default=64, ge=1,
+                                       description="Redis command connections of the gateway process (pub/sub "
+                                                   "apart); a command waits for a free one")
+    redis_pool_timeout_s: float = Field(default=10.0, gt=0,
+                                        description="longest wait for a free Redis connection before 503")
+    header_timeout_s: float = Field(default=10.0, gt=0,
+                                    description="a connection whose request headers take longer is closed "
+                                                "(after a 408)")
+    body_timeout_s: float = Field(default=60.0, gt=0,
+                                  description="a connection whose request body takes longer (from the end of "
+                                              "its headers) is closed")
+    write_timeout_s: float = Field(default=30.0, gt=0,
+                                   description="a connection whose client takes nothing of the response for this "
+                                               "long (the send buffer stays full) is closed")
 
-    webhook_secret: SecretStr | None = Field(None, validation_alias="GENQ_WEBHOOK_SECRET",
+    webhook_secret: SecretStr | None = Field(default=None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="HMAC key of webhook signatures and callbacks")
-    callback_queue: str = Field(DEFAULT_CALLBACK_QUEUE, validation_alias="GENQ_CALLBACK_QUEUE")
+    callback_queue: str = Field(default=DEFAULT_CALLBACK_QUEUE, validation_alias="GENQ_CALLBACK_QUEUE")
     callback_allow_private_hosts: bool = Field(
-        False, validation_alias="GENQ_CALLBACK_ALLOW_PRIVATE_HOSTS",
+        default=False, validation_alias="GENQ_CALLBACK_ALLOW_PRIVATE_HOSTS",
         description="accept callback URLs on loopback, private, link-local, ... addresses (trusted deployments)")
-    task_record_ttl_s: int = Field(86400, ge=1, validation_alias="GENQ_RESULT_EXPIRES_S",
+    task_record_ttl_s: int = Field(default=86400, ge=1, validation_alias="GENQ_RESULT_EXPIRES_S",
                                    description="an accepted identifier stays taken (and its access token valid) "
                                                "as long as the workers keep its result")
+
+    grammar_check_workers: int = Field(default=2, ge=1, le=64,
+                                       description="processes checking output constraints (grammars) at once, "
+                                                   "off the event loop")
+    grammar_check_timeout_s: float = Field(default=5.0, gt=0, le=600,
+                                           description="a constraint whose check takes longer is refused (400 "
+                                                       "naming this limit); waiting longer for a check process "
+                                                       "is a 429")
+    grammar_max_size: int = Field(default=500_000, ge=1000,
+                                  description="most symbols a constraint's grammar may have (llguidance's "
+                                              "max_grammar_size); a larger one is refused (400 naming it)")
+    grammar_cache_size: int = Field(default=1024, ge=0,
+                                    description="constraint checks remembered by the grammar's SHA-256 "
+                                                "(refusals too); 0 turns the cache off")
 
     @model_validator(mode="after")
     def _some_authentication(self) -> GatewaySettings:

@@ -39,7 +39,7 @@ class ModelFetchError(RuntimeError):
 def models_dir() -> Path:
     """GENQ_MODELS_DIR, else .models/ at the repository root."""
     configured = os.environ.get(MODELS_DIR_ENV)
-    return Path(configured) if configured else Path(__file__).resolve().parent.parent / ".models"
+    return Path(configured) if configured else Path(__file__).resolve().parents[2] / ".models"
 
 
 def smollm2_path(cache_dir: Path | None = None) -> Path:

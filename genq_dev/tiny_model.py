@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +155,7 @@ PRESETS: dict[str, dict[str, int]] = {
     },
 }
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
 
 # Trained first, so their ids are 0..4 in this order (like Llama's <s>=1, </s>=2).
 BOS, EOS, IM_START, IM_END, PAD = "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -221,39 +217,15 @@ class _Family:
     nfc: bool  # Qwen's tokenizer NFC-normalizes its input
 
 
+_LLAMA = _Family("LlamaForCausalLM", tie_word_embeddings=False, add_bos_token=True, rope_theta=500000.0,
+                 split_regex=_LLAMA3_SPLIT, nfc=False)
+_QWEN2 = _Family("Qwen2ForCausalLM", tie_word_embeddings=True, add_bos_token=False, rope_theta=1000000.0,
+                 split_regex=_QWEN2_SPLIT, nfc=True)
 _FAMILY_SPECS: dict[str, _Family] = {
-    "llama": _Family(
-        "LlamaForCausalLM",
-        tie_word_embeddings=False,
-        add_bos_token=True,
-        rope_theta=500000.0,
-        split_regex=_LLAMA3_SPLIT,
-        nfc=False,
-    ),
-    "mistral": _Family(
-        "MistralForCausalLM",
-        tie_word_embeddings=False,
-        add_bos_token=True,
-        rope_theta=1000000.0,
-        split_regex=_LLAMA3_SPLIT,
-        nfc=False,
-    ),
-    "qwen2": _Family(
-        "Qwen2ForCausalLM",
-        tie_word_embeddings=True,
-        add_bos_token=False,
-        rope_theta=1000000.0,
-        split_regex=_QWEN2_SPLIT,
-        nfc=True,
-    ),
-    "qwen3": _Family(
-        "Qwen3ForCausalLM",
-        tie_word_embeddings=True,
-        add_bos_token=False,
-        rope_theta=1000000.0,
-        split_regex=_QWEN2_SPLIT,
-        nfc=True,
-    ),
+    "llama": _LLAMA,
+    "mistral": replace(_LLAMA, architecture="MistralForCausalLM", rope_theta=1000000.0),
+    "qwen2": _QWEN2,
+    "qwen3": replace(_QWEN2, architecture="Qwen3ForCausalLM"),
 }
 
 
@@ -522,17 +494,8 @@ def train_tokenizer(vocab_size: int, family: str = "llama") -> Tokenizer:
 def _tokenizer_config(family: str, max_len: int) -> dict[str, Any]:
     spec = _FAMILY_SPECS[family]
     template = ("{{- bos_token }}\n" if spec.add_bos_token else "") + _CHAT_TEMPLATE
-    added = {
-        str(i): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for i, token in enumerate(SPECIAL_TOKENS)
-    }
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    added = {str(i): {"content": token, **flags} for i, token in enumerate(SPECIAL_TOKENS)}
     return {
         "add_bos_token": spec.add_bos_token,
         "add_eos_token": False,

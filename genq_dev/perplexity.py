@@ -70,7 +70,3 @@ def score_text(model: CausalLM, cache: KVCache, token_ids: Sequence[int], chunk_
         predicted.append(chunk.argmax(dim=-1))
     return TextScores(torch.cat(logprobs), torch.cat(predicted))
 
-
-def perplexity(model: CausalLM, cache: KVCache, token_ids: Sequence[int], chunk_size: int = 32) -> float:
-    """exp(mean negative log-likelihood) of token_ids[1:] given what precedes each."""
-    return score_text(model, cache, token_ids, chunk_size).perplexity

@@ -1,0 +1,154 @@
+"""Admission: the checks that refuse a job at enqueue (each naming the field and the limit:
+JobRejected), and the sampling state an admitted job starts with. A constrained job's grammar is
+started on the compile threads (JobSetup.prepare), never on the engine loop: it can take seconds."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.constraint_spec import Constraint
+from engine.constraints import ConstraintCompiler, ConstraintState
+from engine.engine_config import ConstraintBudget
+from engine.errors import JobRejected
+from engine.job import Job
+from engine.sampler_settings import SamplerSettingsError
+from engine.sampling_state import SamplingState
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a job must fit: the context (max_seq_len; whole_cache_pages set when that is the whole
+    KV cache, to say so), the vocabulary, the hidden width embeddings must have, and whether a draft
+    model runs (it has no rows for embedding tokens)."""
+
+    max_seq_len: int
+    vocab_size: int
+    hidden_size: int
+    page_size: int
+    whole_cache_pages: int | None
+    draft_model: bool
+
+
+COMPILE_THREADS = 2
+"""Grammars started at once, each on its own thread (llguidance releases the GIL while it works)."""
+COMPILE_NICENESS = 10
+"""The compile threads' CPU niceness (Linux: per thread): a grammar's start yields the CPU to the
+engine loop and the forward's threads instead of competing with them for the cores."""
+
+
+def _lower_priority() -> None:
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+
+
+def admit(job: Job, limits: Limits) -> None:
+    """JobRejected naming why the job can never run here. Its constraint is checked as it starts
+    (JobSetup.prepare), off the engine loop."""
+    _check_fits(job, limits)
+    try:
+        job.gen_settings.validate(limits.vocab_size)
+    except SamplerSettingsError as error:
+        raise JobRejected(f"gen_settings: {error}") from error
+    if job.token_healing and job.constraint is not None:
+        raise JobRejected("token_healing: not supported with a constraint (the grammar decides the first "
+                          "token); leave the prompt's last token to the grammar instead")
+    if job.banned_strings and job.constraint is not None:
+        raise JobRejected("banned_strings: not supported with a constraint (a rewind would have to take "
+                          "back grammar state); express the ban in the grammar instead")
+
+
+def _check_fits(job: Job, limits: Limits) -> None:
+    total = len(job.input_ids) + job.max_new_tokens
+    if total > limits.max_seq_len:
+        limit = f"max_seq_len={limits.max_seq_len}"
+        if limits.whole_cache_pages is not None:
+            limit += f" (the whole KV cache: {limits.whole_cache_pages} pages x {limits.page_size} tokens)"
+        raise JobRejected(
+            f"input_ids: {len(job.input_ids)} tokens + max_new_tokens ({job.max_new_tokens}) = {total} "
+            f"exceeds the model's {limit}"
+        )
+    vocab = limits.vocab_size
+    bad = next((t for t in job.input_ids if not 0 <= t < vocab and t not in job.embedding_rows), None)
+    if bad is not None:
+        raise JobRejected(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab})")
+    bad = next((t for t in sorted(job.stop_token_ids or ()) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise JobRejected(f"stop_conditions contains token id {bad}, outside the vocabulary [0, {vocab})")
+    if job.embeddings and limits.draft_model:
+        raise JobRejected("embeddings: not supported with a draft model (it has no rows for the embedding "
+                          "tokens); use n-gram drafts (use_ngram_draft=True) or no speculation")
+    for embedding in job.embeddings:
+        if embedding.vectors.shape[1] != limits.hidden_size:
+            raise JobRejected(f"embeddings: vectors of width {embedding.vectors.shape[1]}, the model's "
+                              f"hidden_size is {limits.hidden_size}")
+
+
+@dataclass
+class Preparing:
+    """A constrained job whose grammar is being started on a compile thread; started: when the
+    thread took it up (None while it waits for one), which its compile budget counts from."""
+
+    seed: int
+    stop_ids: frozenset[int]
+    started: float | None = None
+    future: Future[ConstraintState] = field(init=False)
+
+    def overdue(self, now: float, budget: ConstraintBudget) -> bool:
+        return self.started is not None and now - self.started > budget.compile_timeout_s
+
+
+class JobSetup:
+    """What an admitted job's sampling starts from: its grammar's matcher and first mask (started
+    on the compile threads; the tokenizer's grammar compiler is built there on the first
+    constrained job, about a second) and token healing's mask. budget bounds each start."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, budget: ConstraintBudget | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.budget = budget or ConstraintBudget()
+        self.compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="genq-grammar",
+                                                initializer=_lower_priority)
+        self._healing_masks: dict[int, torch.Tensor] = {}  # removed token -> the tokens that may replace it
+
+    def prepare(self, constraint: Constraint, seed: int, stop_ids: frozenset[int]) -> Preparing:
+        """Start the job's grammar on a compile thread; sampling_state() takes the result."""
+        budget = self.budget
+        preparing = Preparing(seed, stop_ids)
+
+        def start() -> ConstraintState:
+            preparing.started = time.monotonic()
+            return self._compiler().start(constraint, stop_ids, budget)
+
+        preparing.future = self._compile_pool.submit(start)
+        return preparing
+
+    def sampling_state(self, seed: int, stop_ids: frozenset[int], constraint: ConstraintState | None,
+                       healed: int | None) -> SamplingState:
+        heal_mask = self._healing_mask(healed) if healed is not None else None
+        return SamplingState(seed, stop_ids, constraint, heal_mask=heal_mask)
+
+    def _compiler(self) -> ConstraintCompiler:
+        with self._compiler_lock:
+            if self.compiler is None:
+                self.compiler = ConstraintCompiler(self.tokenizer.backend.to_str(), self.vocab_size,
+                                                   self.tokenizer.eos_token_id)
+            return self.compiler
+
+    def _healing_mask(self, removed: int) -> torch.Tensor:
+        """Token healing: the first token must begin with the removed token's vocabulary piece."""
+        mask = self._healing_masks.get(removed)
+        if mask is None:
+            piece = self.tokenizer.id_to_token(removed) or ""
+            mask = self._healing_masks[removed] = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[[t for t in range(self.vocab_size) if (self.tokenizer.id_to_token(t) or "").startswith(piece)]] = True
+        return mask

@@ -1,0 +1,89 @@
+"""What the sampler reads of one job beyond its tokens and settings, the rows it samples, and how a
+step's tokens are appended (stop tokens, max_new_tokens, the grammar)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.constraints import ConstraintState
+from engine.sequence import Sequence
+
+
+@dataclass(eq=False)
+class SamplingState:
+    """seed: the job's random stream (a draw's uniform hashes (seed, draw index)); stop_token_ids:
+    blocked while min_new_tokens is not reached; constraint: the grammar's matcher; banned_at:
+    generated-token index -> token ids a banned-string rewind banned there (replaced, never
+    mutated, since the sampler may read it on the overlap thread); heal_mask: token healing's
+    [vocab] bool of the tokens the first generated one may be (on the CPU); mu_history:
+    mirostat's mu before each generated token (entry n: before token n)."""
+
+    seed: int
+    stop_token_ids: frozenset[int]
+    constraint: ConstraintState | None = None
+    banned_at: dict[int, frozenset[int]] = field(default_factory=dict)
+    heal_mask: torch.Tensor | None = None
+    mu_history: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    """One draw: the job's token number `draw` (counting generated tokens from 0), in a context
+    of its tokens plus `pending` (draft tokens not yet accepted, for verify and draft rows).
+    commit: the drawn token is the job's (plain rows), so counts and mirostat's mu move with it;
+    verify and draft rows leave the state alone (the step records what verification keeps).
+    allowed: a [vocab] bool mask this row obeys instead of the constraint's current mask."""
+
+    sequence: Sequence
+    state: SamplingState
+    draw: int
+    pending: tuple[int, ...] = ()
+    commit: bool = True
+    allowed: torch.Tensor | None = None
+
+    @classmethod
+    def next_token(cls, sequence: Sequence, state: SamplingState) -> SampleRow:
+        """The row that draws the job's next token."""
+        return cls(sequence, state, sequence.num_generated)
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt, generated and pending tokens: what context-dependent penalties read."""
+        tokens = self.sequence.token_ids
+        return [*tokens, *self.pending] if self.pending else tokens
+
+    @property
+    def suppressed(self) -> tuple[int, ...]:
+        """Token ids blocked at this draw: stop tokens before min_new_tokens, a rewind's bans."""
+        blocked: tuple[int, ...] = ()
+        if self.draw < self.sequence.job.min_new_tokens:
+            blocked = tuple(self.state.stop_token_ids)
+        bans = self.state.banned_at.get(self.draw) if self.state.banned_at else None
+        return blocked + tuple(bans) if bans else blocked
+
+
+def append_tokens(sequence: Sequence, state: SamplingState, tokens: list[int]) -> tuple[list[int], bool, bool]:
+    """Append a step's tokens up to the first stop token (once min_new_tokens allows stopping) or
+    max_new_tokens: (kept, whether the job ended, whether its grammar completed). The grammar consumes
+    the kept tokens and starts computing its next mask. Stop strings need the text: the output
+    processor finds them."""
+    job = sequence.job
+    kept, done = tokens, False
+    for i, token in enumerate(tokens):
+        generated = sequence.num_generated + i + 1
+        if generated >= job.max_new_tokens or (token in state.stop_token_ids and generated >= job.min_new_tokens):
+            kept, done = tokens[: i + 1], True
+            break
+    complete = False
+    if state.constraint is not None:
+        taken = state.constraint.consume(kept)
+        if state.constraint.complete:
+            # Tokens past the grammar's end (an EOS after a verified draft that ended with it) are
+            # not kept: plain decoding ends the job where the grammar completes.
+            complete = taken < len(kept) or not done
+            kept = kept[:taken]
+    for token in kept:
+        sequence.append(token)
+    return kept, done or complete, complete

@@ -1,0 +1,1 @@
+"""Images for vision-language models: decoding, preprocessing (and, later, the vision tower)."""

@@ -1,0 +1,261 @@
+"""genq as a Celery application sees it (docs/protocol.md section 10): a real
+`genq worker`, a plain Celery worker running the user's own tasks, a plain
+Celery client, and Flower. Revoke, chains, groups, chords, callbacks and
+routing, the documented exc_type values, and the engine lines in Flower."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chain
+from celery.exceptions import TaskRevokedError
+
+from producer.protocol import TASK_NAME, ProtocolError, channel_name
+from tests.service import RawPublisher, chunk_text, next_event, replay
+from worker.processes import ROOT, ChildProcess, FlowerProcess, WorkerProcess, wait_until
+
+QUEUE = "genq-celery"
+ENGINE_OPTIONS = {"cache_tokens": 16384, "page_size": 16, "concurrency": 16}
+DOC = ROOT / "docs" / "protocol.md"
+SECTION = "## 10. Using genq from Celery"
+USER_NODE = "user@celery-test"
+
+
+def doc_blocks() -> list[str]:
+    section = DOC.read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_factory: Callable[..., Path], redis_url: str, client: Celery,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    model = tiny_model_factory("llama", max_position_embeddings=1024)
+    process = WorkerProcess(model, redis_url, QUEUE, "celery-genq", tmp_path_factory.mktemp("genq") / "worker.log",
+                            ENGINE_OPTIONS)
+    with process:
+        process.wait_ready(client)
+        yield process
+
+
+@pytest.fixture(scope="module")
+def userapp(redis_url: str, client: Celery, tmp_path_factory: pytest.TempPathFactory,
+            ) -> Iterator[ModuleType]:
+    """The doc's `userapp.py`, written out as the user would, served by a plain Celery worker
+    (no genq in it) on Celery's default queue, and imported here as the user's client code does."""
+    folder = tmp_path_factory.mktemp("userapp")
+    (folder / "userapp.py").write_text(doc_blocks()[0])
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(folder), "REDIS_URL": redis_url, "GENQ_QUEUE": QUEUE}
+    args = [sys.executable, "-m", "celery", "-A", "userapp", "worker", "--pool", "threads", "--concurrency", "4",
+            "--hostname", USER_NODE, "--without-mingle", "--without-gossip", "--loglevel", "INFO"]
+    plain = ChildProcess("user worker", args, folder / "worker.log", env)
+    sys.path.insert(0, str(folder))
+    with pytest.MonkeyPatch.context() as env_patch:
+        env_patch.setenv("REDIS_URL", redis_url)
+        env_patch.setenv("GENQ_QUEUE", QUEUE)
+        import userapp as module  # noqa: PLC0415 - the module the doc tells the user to write
+
+        with plain:
+            def answers_ping() -> bool:
+                plain.check_alive()
+                return bool(client.control.ping(destination=[USER_NODE], timeout=0.5))
+
+            wait_until(answers_ping, 60, "the plain Celery worker to answer ping")
+            yield module
+    sys.path.remove(str(folder))
+    sys.modules.pop("userapp", None)
+
+
+def raw_meta(redis_client: redis.Redis, task_id: str) -> dict[str, Any]:
+    return json.loads(redis_client.get(f"celery-task-meta-{task_id}"))
+
+
+def test_the_celery_section_of_the_protocol_doc_runs_against_a_real_worker(
+    worker: WorkerProcess, userapp: ModuleType, client: Celery, redis_client: redis.Redis
+):
+    blocks = doc_blocks()
+    assert len(blocks) == 6
+    namespace: dict[str, Any] = {"__name__": "doc"}
+    for block in blocks[1:]:
+        exec(compile(block, str(DOC), "exec"), namespace)
+    assert namespace["story"]["finish_reason"] in ("stop", "length")
+    assert namespace["running"].state == "REVOKED"
+    assert replay(redis_client, namespace["long_id"])[-1].event == "cancelled"
+    assert isinstance(namespace["poem"].get(), dict) and isinstance(namespace["words"].get(), int)
+    assert len(namespace["answers"].get()) == 3
+    assert isinstance(namespace["summary"].get()["text"], str) and len(namespace["collected"].get()) == 3
+    assert isinstance(userapp.app.AsyncResult(namespace["counted_id"]).get(), int)
+    assert namespace["failing"].id in userapp.app.AsyncResult(namespace["report_id"]).get()
+    stats = worker.engine_stats(client)
+    assert stats is not None and stats["pages_used"] == 0 and stats["active_jobs"] == 0
+
+
+def start_long(userapp: ModuleType, redis_client: redis.Redis) -> tuple[Any, str]:
+    """A long generation, returned once it has generated text."""
+    identifier = f"revoke-{uuid.uuid4().hex[:8]}"
+    watcher = redis_client.pubsub(ignore_subscribe_messages=True)
+    watcher.subscribe(channel_name(identifier))
+    handle = userapp.generate(prompt="a long story", max_new_tokens=900, ignore_eos=True).apply_async(
+        task_id=identifier)
+    while next_event(watcher).event != "chunk":
+        pass
+    watcher.close()
+    return handle, identifier
+
+
+def assert_revoked_like_a_cancel(worker: WorkerProcess, client: Celery, redis_client: redis.Redis, handle: Any,
+                                 identifier: str) -> None:
+    with pytest.raises(TaskRevokedError):
+        handle.get(timeout=60)
+    assert handle.state == "REVOKED"
+    events = replay(redis_client, identifier)
+    assert events[-1].event == "cancelled" and 0 < events[-1].usage.completion_tokens < 900
+    assert chunk_text(events) == events[-1].text
+    stats = worker.engine_stats(client)
+    assert stats is not None and stats["pages_used"] == 0 and stats["active_jobs"] == 0
+
+
+@pytest.mark.parametrize("terminate", [False, True])
+def test_revoke_cancels_a_running_generation_as_genq_cancel_does(
+    worker: WorkerProcess, userapp: ModuleType, client: Celery, redis_client: redis.Redis, terminate: bool
+):
+    cancelled_before = worker.engine_stats(client)["cancelled"]
+    handle, identifier = start_long(userapp, redis_client)
+    handle.revoke(terminate=terminate, signal="SIGKILL")
+    assert_revoked_like_a_cancel(worker, client, redis_client, handle, identifier)
+    assert worker.engine_stats(client)["cancelled"] == cancelled_before + 1
+
+
+def test_revoke_before_start_never_runs_the_request(
+    worker: WorkerProcess, userapp: ModuleType, client: Celery, redis_client: redis.Redis
+):
+    identifier = f"revoke-early-{uuid.uuid4().hex[:8]}"
+    userapp.app.control.revoke(identifier)
+    handle = userapp.generate(prompt="never runs", max_new_tokens=8).apply_async(task_id=identifier)
+    with pytest.raises(TaskRevokedError):
+        handle.get(timeout=60)
+    assert replay(redis_client, identifier) == []
+
+
+def test_flowers_revoke_button_cancels_a_running_generation(
+    worker: WorkerProcess, userapp: ModuleType, client: Celery, redis_client: redis.Redis, redis_url: str,
+    tmp_path: Path
+):
+    with FlowerProcess(redis_url, tmp_path / "flower.log") as flower:
+        wait_until(lambda: flower.engine_stats([worker.node]), 60, "Flower to see the worker", interval=0.5)
+        handle, identifier = start_long(userapp, redis_client)
+        request = urllib.request.Request(f"{flower.url}api/task/revoke/{identifier}?terminate=true", data=b"",
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert json.load(reply)["message"] == f"Revoked '{identifier}'"
+        assert_revoked_like_a_cancel(worker, client, redis_client, handle, identifier)
+
+
+def test_a_chain_child_without_chain_as_fails_itself_and_never_its_parent(
+    worker: WorkerProcess, userapp: ModuleType, redis_client: redis.Redis
+):
+    misfits = [
+        ({"prompt": "Then: "}, "chain_as: this task got its parent's result"),
+        ({"messages": [{"role": "user", "content": "hi"}], "chain_as": "prompt_suffix"},
+         "chain_as: 'prompt_suffix' appends to prompt"),
+        ({"prompt": "Then: ", "chain_as": "user"}, "chain_as: 'user' appends a chat turn to messages"),
+    ]
+    for child_kwargs, problem in misfits:
+        parent = userapp.generate(prompt="Once upon a time", max_new_tokens=8)
+        child = chain(parent, userapp.generate(max_new_tokens=8, **child_kwargs)).apply_async()
+        with pytest.raises(ProtocolError) as raised:
+            child.get(timeout=60)
+        assert str(raised.value).startswith(problem)
+        assert raw_meta(redis_client, child.id)["result"]["exc_type"] == "ProtocolError"
+        assert child.parent.state == "SUCCESS" and replay(redis_client, child.parent.id)[-1].event == "done"
+        assert replay(redis_client, child.id)[-1].event == "error"
+
+
+def test_a_chain_child_joins_its_parents_text_as_chain_as_says(
+    worker: WorkerProcess, userapp: ModuleType
+):
+    joined = chain(userapp.generate(prompt="Once upon a time", max_new_tokens=8),
+                   userapp.generate(prompt="Go on: ", chain_as="prompt_suffix", max_new_tokens=8)).apply_async()
+    as_user = chain(userapp.generate(prompt="Once upon a time", max_new_tokens=8),
+                    userapp.generate(messages=[{"role": "system", "content": "Be brief."}], chain_as="user",
+                                     max_new_tokens=8)).apply_async()
+    parent_text = joined.parent.get(timeout=60)["text"]
+    alone = userapp.generate(prompt="Go on: " + parent_text, max_new_tokens=8).apply_async()
+    assert joined.get(timeout=60)["text"] == alone.get(timeout=60)["text"]
+    user_parent = as_user.parent.get(timeout=60)["text"]
+    alone_chat = userapp.generate(messages=[{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": user_parent}], max_new_tokens=8).apply_async()
+    assert as_user.get(timeout=60)["text"] == alone_chat.get(timeout=60)["text"]
+
+
+def test_a_users_task_after_a_genq_task_goes_to_the_users_queue_not_genqs(
+    worker: WorkerProcess, userapp: ModuleType, redis_client: redis.Redis
+):
+    counted = chain(userapp.generate(prompt="Once upon a time", max_new_tokens=16),
+                    userapp.word_count.s()).apply_async()
+    assert counted.get(timeout=60) == len(counted.parent.get()["text"].split())
+    assert redis_client.llen(QUEUE) == 0
+    assert "NotRegistered" not in worker.log_path.read_text()
+
+
+def test_the_documented_exc_types_through_a_real_worker(
+    worker: WorkerProcess, userapp: ModuleType, client: Celery, redis_client: redis.Redis, redis_url: str
+):
+    invalid = client.send_task(TASK_NAME, kwargs={"prompt": "x", "max_new_tokens": 0}, queue=QUEUE)
+    too_long = client.send_task(TASK_NAME, kwargs={"input_ids": [5] * 1100, "max_new_tokens": 8}, queue=QUEUE)
+    refused_id = f"refused-{uuid.uuid4().hex[:8]}"
+    raw = RawPublisher(redis_url)
+    raw.publish(QUEUE, {"prompt": "x"}, {"id": refused_id, "task": TASK_NAME, "lang": "py"})
+    raw.close()
+    for handle in (invalid, too_long, client.AsyncResult(refused_id)):
+        with pytest.raises(ProtocolError):
+            handle.get(timeout=60)
+        meta = raw_meta(redis_client, handle.id)
+        assert (meta["status"], meta["result"]["exc_type"], meta["result"]["exc_module"]) == (
+            "FAILURE", "ProtocolError", "producer.protocol")
+    identifier = f"twice-{uuid.uuid4().hex[:8]}"
+    watcher = redis_client.pubsub(ignore_subscribe_messages=True)
+    watcher.subscribe(channel_name(identifier))
+    first = client.send_task(TASK_NAME, kwargs={"prompt": "a long story", "max_new_tokens": 900,
+                                                "ignore_eos": True, "identifier": identifier}, queue=QUEUE)
+    while next_event(watcher).event != "chunk":
+        pass
+    second = client.send_task(TASK_NAME, kwargs={"prompt": "x", "identifier": identifier}, queue=QUEUE)
+    second.get(timeout=60, propagate=False)
+    meta = raw_meta(redis_client, second.id)
+    assert (meta["status"], meta["result"]["exc_type"], meta["result"]["exc_module"]) == (
+        "FAILURE", "GenerationFailed", "worker.tasks")
+    first.revoke()
+    with pytest.raises(TaskRevokedError):
+        first.get(timeout=60)
+    assert raw_meta(redis_client, first.id)["result"]["exc_type"] == "TaskRevokedError"
+
+
+def test_flower_shows_the_engine_stats_as_named_readable_lines(
+    worker: WorkerProcess, redis_url: str, tmp_path: Path
+):
+    with FlowerProcess(redis_url, tmp_path / "flower.log") as flower:
+        engines = wait_until(lambda: flower.engine_stats([worker.node]), 60,
+                             "Flower to report the worker's engine stats", interval=0.5)
+        with urllib.request.urlopen(f"{flower.url}worker/{worker.node}", timeout=10) as reply:
+            page = reply.read().decode()
+    engine = engines[worker.node]
+    pages = ENGINE_OPTIONS["cache_tokens"] // ENGINE_OPTIONS["page_size"]
+    assert re.fullmatch(rf"\d+ of {pages:,} pages in use \(\d+\.\d %\), [\d,]+ cached, [\d,]+ free; 16 tokens per "
+                        r"page", engine["genq KV cache"]), engine
+    assert re.fullmatch(r"\d+ running, \d+ waiting; peak batch \d+", engine["genq jobs"]), engine
+    assert re.fullmatch(r"[\d,.]+ tokens/s over the last 10 s", engine["genq throughput"]), engine
+    assert engine.keys() == {"genq jobs", "genq KV cache", "genq throughput", "genq tokens", "genq requests",
+                             "genq preemptions", "genq speculative decoding", "genq engine loop"}
+    assert all(isinstance(value, str) for value in engine.values())
+    assert "genq KV cache" in page and "pages in use" in page and "{&#39;active_jobs" not in page
+    assert "'active_jobs'" not in page
