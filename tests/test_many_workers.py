@@ -41,9 +41,17 @@ def test_three_workers_share_a_queue_and_a_sigkill_of_one_loses_nothing(
             return all(s and s["active_jobs"] > 0 and s["generated_tokens"] > 0 for s in stats)
 
         wait_until(all_generating, 120, "every worker to be generating")
-        engines = wait_until(lambda: flower.engine_stats([w.node for w in workers]), 60,
-                             "Flower to report the three engines", interval=0.5)
-        assert not any(engine["genq requests"].startswith("0 submitted") for engine in engines.values())
+
+        def flower_shows_submissions() -> dict[str, dict[str, str]] | None:
+            # Flower keeps a worker's last inspect reply when a busy worker misses its inspect
+            # timeout (1 s), so an early reading can predate the submissions: wait for a fresh one.
+            engines = flower.engine_stats([w.node for w in workers])
+            if engines is None or any(e["genq requests"].startswith("0 submitted") for e in engines.values()):
+                return None
+            return engines
+
+        wait_until(flower_shows_submissions, 60, "Flower to report the three engines with their submissions",
+                   interval=0.5)
         doomed = workers[0].engine_stats(client)
         assert doomed is not None and doomed["active_jobs"] > 0, doomed
         workers[0].kill()
