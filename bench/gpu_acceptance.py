@@ -107,7 +107,8 @@ def dry_run(select: str | None) -> dict[str, Any]:
         command += ["-k", select]
     progress(f"dry run: pytest {' '.join(command[6:])}")
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    # pytest reports a conftest or plugin that fails to import on stderr only
+    summary = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["(no output)"])[-1]
     progress(f"dry run: {summary}")
     return {"passed": proc.returncode == 0, "tests": list(DRY_RUN_TESTS), "select": select, "summary": summary}
 
