@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai.types import shared_params
@@ -79,6 +80,25 @@ def test_an_unknown_key_inside_a_request_object_is_a_400_naming_its_path(oai: op
     error = refused.value.body
     assert isinstance(error, dict) and (error["code"], error["param"]) == ("unknown_parameter", param)
     assert f"'{param}'" in error["message"]
+
+
+HI = b'"messages": [{"role": "user", "content": "Hi"}]'
+
+
+@pytest.mark.parametrize("fields, param", [
+    (HI + b', "response_format": {"type": "json_object", "\\ud800": 1}', "response_format.\\ud800"),
+    (HI + b', "tools": [{"type": "function", "function": {"name": "f", "a\\nb": 1}}]', "tools[0].function.a\\nb"),
+    (b'"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "' + b"k" * 5000 + b'": 1}]}]',
+     "messages[0].content[0]." + "k" * 37 + "..."),
+])
+def test_a_hostile_or_long_unknown_key_is_named_escaped_and_cut(gateway: str, fields: bytes, param: str):
+    """A lone surrogate (which cannot be encoded as UTF-8), a newline or a long key is named as the
+    protocol names such fields: escaped and cut, never a 500."""
+    body = b'{"model": "%s", %s}' % (MODEL.encode(), fields)
+    reply = httpx.post(f"{gateway}/v1/chat/completions", content=body, timeout=30,
+                       headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert (reply.json()["error"]["code"], reply.json()["error"]["param"]) == ("unknown_parameter", param)
 
 
 def test_the_completions_endpoints_objects_are_checked_too(oai: openai.OpenAI):

@@ -4,8 +4,10 @@ Requests accept what OpenAI clients send. Every OpenAI parameter is either suppo
 and ignored for a stated reason (IGNORED_PARAMS: it cannot change the output genq gives), or
 refused with a 400 that names it (suffix, best_of > 1, audio, web search). A
 parameter nobody defines is refused too, as OpenAI does, so a misspelt `max_token` is a 400 and
-not a silent default; a deployment whose clients send vendor extras sets
-GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS (ignored, with a log line). The values themselves are checked
+not a silent default, and so is a key nobody defines inside the request's objects, named by its
+dotted path (`stream_options.include_usages`; JSON Schemas are free-form and not looked into);
+a deployment whose clients send vendor extras sets GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS (ignored,
+with a log line). The values themselves are checked
 by GenerationRequest, so the limits are the protocol's. `n` (1 to MAX_N) is the protocol's `n`: one task whose worker
 generates n samples side by side on the prompt computed once (seeds seed + i, or each its own
 random seed); the response has one choice per sample, by its index, and the usage counts the
@@ -177,7 +179,15 @@ class _Nested(BaseModel):
     ACCEPTED: ClassVar[frozenset[str]] = frozenset()
 
     def unknown_keys(self, path: str) -> list[str]:
-        return [f"{path}.{key}" for key in self.model_extra or {} if key not in self.ACCEPTED]
+        return [f"{path}.{key_name(key)}" for key in self.model_extra or {} if key not in self.ACCEPTED]
+
+
+def key_name(key: str) -> str:
+    """A key as a refusal can show it (as the protocol's field names): a hostile one (a lone
+    surrogate cannot be encoded as UTF-8) escaped, a long one cut."""
+    if not key.isprintable():
+        key = ascii(key)[1:-1]
+    return key if len(key) <= 40 else key[:37] + "..."
 
 
 Shape = Mapping[str, "Shape | None"]
@@ -204,7 +214,7 @@ def unknown_keys(value: Any, shape: Shape, path: str) -> list[str]:
     found = []
     for key, item in value.items():
         if key not in shape:
-            found.append(f"{path}.{key}")
+            found.append(f"{path}.{key_name(key)}")
         elif (inner := shape[key]) is not None:
             found += unknown_keys(item, inner, f"{path}.{key}")
     return found
