@@ -240,7 +240,12 @@ def test_prompt_logprobs_in_vllm_s_shape_on_both_endpoints(oai: openai.OpenAI,
             ranks = sorted(e["rank"] for key, e in entry.items() if e["rank"] is not None)
             assert ranks[:3] == [1, 2, 3][:len(ranks)]
             assert all(e["logprob"] <= 0 for e in entry.values())
-    assert reply.choices[0].model_extra["prompt_logprobs"] == reply.choices[1].model_extra["prompt_logprobs"]
+    # the same prompt twice: the same tokens and ranks; the values within float32 batch rounding (the
+    # two tasks may be prefilled in one batch or in two, and a matmul's sums depend on the batch)
+    first, second = (choice.model_extra["prompt_logprobs"] for choice in reply.choices)
+    assert [e and {k: v["rank"] for k, v in e.items()} for e in first] == \
+        [e and {k: v["rank"] for k, v in e.items()} for e in second]
+    assert all(abs(a[k]["logprob"] - b[k]["logprob"]) < 1e-5 for a, b in zip(first[1:], second[1:]) for k in a)
     chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        extra_body={"prompt_logprobs": 0})
     shaped = chat.model_extra["prompt_logprobs"]
