@@ -21,6 +21,8 @@ FORBIDDEN = {
     "kernels": {"engine", "worker", "producer"},
     "engine": {"worker", "producer", "celery", "redis"},
     "producer": {"engine", "kernels", "worker", "torch", "triton"},
+    "image_input": {"chat_template", "engine", "kernels", "worker", "producer", "genq_dev", "torch", "triton",
+                    "celery", "redis"},
 }
 
 
@@ -62,7 +64,7 @@ DEVTOOLS_USERS = {"worker/cli.py", "worker/dev.py"}
 """`genq make-tiny-model`, `genq demo` and `genq dev`: the commands that make or fetch a model."""
 
 
-@pytest.mark.parametrize("package", ["chat_template", "engine", "kernels", "worker", "producer"])
+@pytest.mark.parametrize("package", ["chat_template", "image_input", "engine", "kernels", "worker", "producer"])
 def test_the_service_never_imports_the_dev_tools(package: str):
     offenders = {
         str(path.relative_to(ROOT)): sorted(
@@ -106,6 +108,13 @@ def test_sequence_imports_nothing_but_the_job():
 
 def test_producer_imports_with_torch_unavailable():
     code = "import sys; sys.modules['torch'] = None; import producer"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_protocol_imports_with_pillow_unavailable():
+    """The base install (a backend validating requests) has no Pillow: only the gateway and the
+    worker decode images (image_input/)."""
+    code = "import sys; sys.modules['PIL'] = None; import producer.protocol, producer.client, producer.model_card"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
