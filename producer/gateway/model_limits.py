@@ -319,6 +319,6 @@ async def _prompt_tokens(limits: ModelLimits, request: GenerationRequest) -> tup
             return "messages", await anyio.to_thread.run_sync(_chat_tokens, tokenizer, limits.chat, request), True
         except (ProtocolError, ValueError):
             pass
-    contents = [m.content for m in request.messages or () if m.role in BOUNDED_ROLES]
+    contents = [m.text for m in request.messages or () if m.role in BOUNDED_ROLES]
     bound = await anyio.to_thread.run_sync(tokenizer.content_tokens_lower_bound, contents)
     return "messages", max(1, bound), False
