@@ -48,6 +48,7 @@ from producer.gateway.auth import (
 from producer.gateway.completions import completions_router
 from producer.gateway.constraints import ConstraintChecker
 from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
+from producer.gateway.images import ImageRefused, image_url_parts, resolve_images
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from producer.gateway.model_limits import CardReader, check_request
@@ -428,13 +429,19 @@ async def _task_sse(events: AsyncGenerator[StreamEvent, None], after: EventKey |
 async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest) -> Any:
     settings = gateway.settings
     check_model(settings, body.model)
+    limits = await gateway.limits.current()
     try:
-        fields = body.to_request_fields(settings.ignore_unknown_params)
+        body.check_params(settings.ignore_unknown_params)
+        images = await resolve_images(image_url_parts(body.messages), None if limits is None else limits.images,
+                                      limits is not None, allow_private=settings.image_url_allow_private_hosts,
+                                      fetch_timeout_s=settings.image_fetch_timeout_s)
+        fields = body.to_request_fields(settings.ignore_unknown_params, images)
     except UnsupportedParameter as error:
         raise ApiError(400, error.code, str(error), param=error.param) from None
+    except ImageRefused as error:
+        raise ApiError(400, "invalid_image", str(error), param=error.param) from None
     identifier = f"chatcmpl-{uuid.uuid4().hex}"
     names = body.param_names()
-    limits = await gateway.limits.current()
     if fields.get("tools") is not None and limits is not None and limits.tool_format is not None:
         # The worker then forces and reads calls in the format this gateway reads the stream in.
         fields["tool_format"] = limits.tool_format
