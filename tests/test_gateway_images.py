@@ -242,6 +242,21 @@ def test_an_image_url_that_fails_gets_a_400(oai: openai.OpenAI, image_server: Im
     assert body["param"] == "messages[0].content[1]" and expected in body["message"], body
 
 
+@pytest.mark.parametrize(("request_body", "param", "expected"), [
+    ({"prompt": PLACEHOLDER, "images": [{"data": "iVBORw0K*GgoAAAA"}]}, "images[0]", "base64 data is malformed"),
+    ({"prompt": PLACEHOLDER, "images": [{"data": b64(bomb())}]}, "images[0]", "decompression bomb"),
+    ({"prompt": "no mark", "images": [{"data": b64(png())}]}, "prompt", "placeholder 'turn' 0 time(s) for 1"),
+    ({"messages": chat({"type": "image", "data": b64(b"not an image")})}, "messages[0].content[1]",
+     "not an image file"),
+], ids=["malformed-base64", "bomb", "placeholder-count", "chat-not-an-image"])
+def test_the_native_endpoint_checks_images_too(gateway: str, request_body: dict[str, Any], param: str,
+                                               expected: str):
+    response = httpx.post(f"{gateway}/v1/tasks", headers=bearer(), json=request_body, timeout=30)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and expected in error["message"], error
+
+
 def test_completions_take_no_images(oai: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=MODEL, prompt=PLACEHOLDER, max_tokens=2,

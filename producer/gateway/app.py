@@ -48,7 +48,7 @@ from producer.gateway.auth import (
 from producer.gateway.completions import completions_router
 from producer.gateway.constraints import ConstraintChecker
 from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
-from producer.gateway.images import ImageRefused, image_url_parts, resolve_images
+from producer.gateway.images import ImageRefused, check_images, image_url_parts, resolve_images
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from producer.gateway.model_limits import CardReader, check_request
@@ -340,6 +340,12 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
                                                "which this gateway does not have", param="callback_url")
     generation = await parse_request(gateway.constraints, payload, status=422)
     await gateway.limits.check(generation, status=422, names={})
+    if generation.image_inputs():
+        limits = await gateway.limits.current()
+        try:
+            await check_images(generation, None if limits is None else limits.images, limits is not None)
+        except ImageRefused as error:
+            raise ApiError(422, "invalid_image", str(error), param=error.param) from None
     await gateway.admit()
     identifier = generation.identifier or str(uuid.uuid4())
     nonce = await gateway.records.claim(identifier)

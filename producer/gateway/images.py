@@ -34,10 +34,10 @@ import httpx
 from image_input import ImageLimits, decode_base64_image, decode_image
 from producer.callback_targets import CallbackUrlRefused, resolve_target_async
 from producer.model_card import ImageSupport
-from producer.protocol import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, MEDIA_TYPE_PATTERN
+from producer.protocol import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, MEDIA_TYPE_PATTERN, GenerationRequest
 
-__all__ = ["IMAGE_DECODES", "IMAGE_URL_PART_SHAPE", "ImageRefused", "ImageUrlPart", "image_url_parts",
-           "resolve_images"]
+__all__ = ["IMAGE_DECODES", "IMAGE_URL_PART_SHAPE", "ImageRefused", "ImageUrlPart", "check_images",
+           "image_url_parts", "resolve_images"]
 
 IMAGE_URL_PART_SHAPE: Mapping[str, Any] = {"type": None, "image_url": {"url": None, "detail": None}}
 DETAILS = (None, "auto", "low", "high")
@@ -112,6 +112,26 @@ async def resolve_images(parts: list[ImageUrlPart], card: ImageSupport | None, h
     for part in parts:
         resolved[(part.message, part.part)] = await _resolve(part, allow_private, fetch_timeout_s)
     return resolved
+
+
+async def check_images(request: GenerationRequest, card: ImageSupport | None, have_card: bool) -> None:
+    """The checks of resolve_images for a protocol request (POST /v1/tasks): the card's rules, a
+    `prompt`'s placeholders (once per image), and every image decoded; ImageRefused naming the
+    first image (or the prompt) refused."""
+    inputs = request.image_inputs()
+    if not inputs:
+        return
+    if have_card and card is None:
+        raise ImageRefused(inputs[0][0], "this model takes no images (the workers' model card says so)")
+    if card is not None:
+        if len(inputs) > card.max_images:
+            raise ImageRefused(inputs[card.max_images][0], f"at most {card.max_images} images per request (the "
+                                                           f"model card), got {len(inputs)}")
+        if request.prompt is not None and (marks := request.prompt.count(card.placeholder)) != len(inputs):
+            raise ImageRefused("prompt", f"holds the image placeholder {card.placeholder!r} {marks} time(s) for "
+                                         f"{len(inputs)} image(s); put it once where each image goes")
+    for path, image in inputs:
+        await _decode(path, decode_base64_image, image.data)
 
 
 async def _resolve(part: ImageUrlPart, allow_private: bool, fetch_timeout_s: float) -> dict[str, Any]:
