@@ -1,6 +1,8 @@
 """The layering (docs/architecture.md): kernels <- engine <- worker -> producer.protocol;
 producer never imports engine, kernels, worker or torch; chat_template, the floor below engine
-and producer (both render chats with it), imports none of them, nor torch, celery or redis. The
+and producer (both render chats with it), imports none of them, nor torch, celery or redis;
+image_input, the floor the gateway and the worker decode images with, imports none of ours (and
+the protocol, which the base install validates with, imports no Pillow). The
 development tools (genq_dev: tiny models, the demo-model fetcher, the perplexity scorer) sit on
 top of the engine, outside the service's packages: only the worker commands
 that make or fetch a model import them."""
