@@ -116,7 +116,8 @@ def test_producer_imports_with_torch_unavailable():
 def test_the_protocol_imports_with_pillow_unavailable():
     """The base install (a backend validating requests) has no Pillow: only the gateway and the
     worker decode images (image_input/)."""
-    code = "import sys; sys.modules['PIL'] = None; import producer.protocol, producer.client, producer.model_card"
+    code = ("import sys; sys.modules['PIL'] = None; "
+            "import producer.protocol, producer.client, producer.model_card, producer.cli")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
