@@ -16,6 +16,9 @@ deployment, next to Redis, cloud metadata endpoints and admin ports. So:
 - `GENQ_CALLBACK_ALLOW_PRIVATE_HOSTS=true` lifts the address rule for a trusted deployment whose
   receivers live on a private network (the tests' receiver listens on 127.0.0.1).
 
+The gateway fetches OpenAI `image_url` URLs through this guard too (producer/gateway/images.py, with
+its own opt-out, GENQ_GATEWAY_IMAGE_URL_ALLOW_PRIVATE_HOSTS).
+
 The gateway checks at acceptance (a clear 422), and the callback worker checks again at delivery
 and then connects to the very address it checked (the URL's host replaced by that address, the
 original name kept in the Host header and in TLS SNI and certificate checks), so a DNS answer
@@ -124,16 +127,19 @@ def _parts(url: str) -> tuple[str, str, int | None]:
     return scheme, parts.hostname, port
 
 
+CALLBACK_POLICY = ("callbacks go to public addresses only (GENQ_CALLBACK_ALLOW_PRIVATE_HOSTS=true allows private "
+                   "ones in a trusted deployment)")
+"""What a refusal of a private address says by default; the gateway's image fetching says its own."""
+
+
 def _target(url: str, scheme: str, host: str, port: int | None, addresses: list[Address],
-            allow_private: bool) -> CallbackTarget:
+            allow_private: bool, policy: str = CALLBACK_POLICY) -> CallbackTarget:
     if not addresses:
         raise CallbackUrlRefused(f"the host {host!r} resolves to no address", retryable=True)
     if not allow_private:
         for address in addresses:
             if (reason := refusal(address)) is not None:
-                raise CallbackUrlRefused(
-                    f"the host {host!r} resolves to {reason}; callbacks go to public addresses only "
-                    "(GENQ_CALLBACK_ALLOW_PRIVATE_HOSTS=true allows private ones in a trusted deployment)")
+                raise CallbackUrlRefused(f"the host {host!r} resolves to {reason}; {policy}")
     address = addresses[0]
     literal = f"[{address}]" if address.version == 6 else str(address)
     parts = urlsplit(url)
@@ -178,8 +184,9 @@ def resolve_target(url: str, *, allow_private: bool) -> CallbackTarget:
     return _target(url, scheme, host, port, _addresses(infos), allow_private)
 
 
-async def resolve_target_async(url: str, *, allow_private: bool) -> CallbackTarget:
-    """resolve_target for asyncio callers (the gateway), bounded by RESOLVE_TIMEOUT_S."""
+async def resolve_target_async(url: str, *, allow_private: bool, policy: str = CALLBACK_POLICY) -> CallbackTarget:
+    """resolve_target for asyncio callers (the gateway: callback URLs, and the image URLs it fetches,
+    whose refusals state `policy`), bounded by RESOLVE_TIMEOUT_S."""
     scheme, host, port = _parts(url)
     loop = asyncio.get_running_loop()
     try:
@@ -190,4 +197,4 @@ async def resolve_target_async(url: str, *, allow_private: bool) -> CallbackTarg
                                  retryable=True) from None
     except (OSError, UnicodeError) as error:
         raise _resolver_error(host, error) from None
-    return _target(url, scheme, host, port, _addresses(infos), allow_private)
+    return _target(url, scheme, host, port, _addresses(infos), allow_private, policy)

@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from chat_template import ChatTemplate
-from producer.protocol import GenerationRequest, ProtocolError
+from producer.protocol import ChatMessage, GenerationRequest, ImageContentPart, ProtocolError, TextContentPart
 from producer.reasoning import ReasoningFormat, detect_reasoning_format, template_thinks
 from producer.tool_calls import (
     ToolFormat,
@@ -33,7 +33,7 @@ def render_messages(request: GenerationRequest, chat: ChatTemplate) -> str:
     shown (as vLLM does): the model knows them, its output is not read for calls.
     chat_template_kwargs and add_generation_prompt reach the template; continue_final_message
     leaves the last message open (render_continued)."""
-    messages = [m.model_dump(exclude_none=True) for m in request.messages or ()]
+    messages = [_template_message(m) for m in request.messages or ()]
     tools = None
     if request.tools is None:
         messages = template_messages(messages)
@@ -47,6 +47,21 @@ def render_messages(request: GenerationRequest, chat: ChatTemplate) -> str:
     if request.continue_final_message:
         return render_continued(chat, messages, tools, options)
     return chat.render(messages, request.add_generation_prompt, tools=tools, **options)
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as the template sees it: content a string, as ever, unless the message holds images;
+    then, as transformers' processors pass a multimodal chat to the template, a list of
+    {"type": "text", "text": ...} and {"type": "image"} parts (the image's data stays out of the
+    template: the engine puts its tokens where the template put the image)."""
+    fields = message.model_dump(exclude_none=True)
+    if not message.image_parts:
+        fields["content"] = message.text
+    else:
+        fields["content"] = [{"type": "image"} if isinstance(part, ImageContentPart)
+                             else {"type": "text", "text": part.text}
+                             for part in message.content if isinstance(part, (ImageContentPart, TextContentPart))]
+    return fields
 
 
 def render_continued(chat: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -8,7 +8,9 @@ never load torch or the worker.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import mimetypes
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from kombu.exceptions import OperationalError
 from kombu.utils.url import maybe_sanitize_url
 
 from producer.client import GenerationError, GenerationHandle, GenqClient, StreamRestarted, TextAssembler
-from producer.protocol import GenerationResult, ProtocolError, StreamEvent, grammar_syntax
+from producer.protocol import MAX_IMAGE_BYTES, GenerationResult, ProtocolError, StreamEvent, grammar_syntax
 
 EXIT_DONE = 0
 EXIT_FAILED = 1
@@ -138,6 +140,8 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
         request["messages"] = _load_messages(args.messages)
     if args.input_ids is not None:
         request["input_ids"] = _parse_token_ids(args.input_ids)
+    if getattr(args, "image", None):
+        _add_images(request, [_read_image(path) for path in args.image])
     request.update({name: getattr(args, name) for name in REQUEST_OPTIONS if getattr(args, name) is not None})
     sampling = _sampling_from_args(args)
     if sampling:
@@ -190,6 +194,37 @@ def _read_text(path: str, option: str) -> str:
         return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"{option} {path}: {error}") from None
+
+
+def _read_image(path: str) -> dict[str, Any]:
+    """An image file as the protocol's ImageData: its bytes as base64 (the worker decodes and checks
+    them; this command imports no Pillow), the media type guessed from the file name."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as error:
+        raise UsageError(f"--image {path}: {error}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise UsageError(f"--image {path}: {len(data)} bytes, more than MAX_IMAGE_BYTES={MAX_IMAGE_BYTES}")
+    media_type = mimetypes.guess_type(path)[0]
+    image: dict[str, Any] = {"data": base64.b64encode(data).decode()}
+    if media_type is not None and media_type.startswith("image/"):
+        image["media_type"] = media_type
+    return image
+
+
+def _add_images(request: dict[str, Any], images: list[dict[str, Any]]) -> None:
+    """`images` of a prompt request; a chat's go to its last user message as image parts, after its text."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        request["images"] = images  # the protocol refuses them with input_ids, naming the rule
+        return
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise UsageError("--image: the chat (--messages) has no user message to attach images to")
+    last = users[-1]
+    content = last.get("content")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    last["content"] = parts + [{"type": "image", **image} for image in images]
 
 
 def _load_messages(path: str) -> Any:

@@ -27,6 +27,8 @@ counting within that time, and a deployment that is gone leaves nothing behind.
 CARD_VERSION changes only when a reader of the previous version would misread a card. A new
 field with a default that means "not said" (bos_token_id, chat_template_digest: null from older
 workers) keeps the version: older readers ignore it, newer ones treat null as not published.
+`images` (issue 27) keeps it too: null means the model takes no images, which is true of every
+older worker (none ran a vision tower).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from chat_template import ChatTemplate
-from producer.protocol import IDENTIFIER_RE
+from producer.protocol import IDENTIFIER_RE, MAX_IMAGES
 from producer.reasoning import ReasoningFormat
 from producer.tool_calls import ToolFormat
 
@@ -45,6 +47,18 @@ CARD_TTL_S = 60
 """Entries older than this are ignored, and both keys expire this long after the last heartbeat.
 Generous against clock skew between worker and gateway hosts: a skew beyond it makes entries
 look stale, and the gateway then skips its checks (the worker still makes them)."""
+
+
+class ImageSupport(BaseModel):
+    """What a vision-language worker tells producers about images (the card's `images`)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    placeholder: str = Field(min_length=1, description="the prompt text that marks an image in a `prompt` request, "
+                                                       "once per image (LLaVA's <image>, Gemma 3's <start_of_image>)")
+    tokens_per_image: Annotated[int, Field(ge=1)] = Field(description="prompt tokens one image becomes")
+    max_images: Annotated[int, Field(ge=0, le=MAX_IMAGES)] = Field(
+        description="images one request may carry: MAX_IMAGES, or fewer when the context holds fewer images")
 
 
 class WorkerCard(BaseModel):
@@ -73,6 +87,8 @@ class WorkerCard(BaseModel):
     chat_template_digest: str | None = Field(
         default=None, pattern=r"^[0-9a-f]{64}$",
         description="SHA-256 of the chat template JSON; null without a chat template or from older workers")
+    images: ImageSupport | None = Field(default=None, description="null: the model takes no images (and every "
+                                                                  "older worker's card)")
     heartbeat_at: float = Field(description="unix time of the worker's last refresh")
 
 

@@ -29,7 +29,9 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -64,6 +66,11 @@ __all__ = [
     "MAX_DRY_SEQUENCE_BREAKERS",
     "MAX_DRY_SEQUENCE_BREAKER_CHARS",
     "MAX_IDENTIFIER_CHARS",
+    "MAX_CONTENT_PARTS",
+    "MAX_IMAGES",
+    "MAX_IMAGE_BASE64_CHARS",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
     "MAX_INPUT_IDS",
     "MAX_MESSAGES",
     "MAX_MESSAGE_CHARS",
@@ -101,6 +108,10 @@ __all__ = [
     "TERMINAL_EVENTS",
     "XTC_SPARED",
     "ChatMessage",
+    "ContentPart",
+    "ImageContentPart",
+    "ImageData",
+    "TextContentPart",
     "ChainAs",
     "FunctionCall",
     "MAX_TOOLS",
@@ -269,6 +280,20 @@ DRY_DEFAULT_SEQUENCE_BREAKERS = (".", ",", "!", "?", "<", ">", "[", "]", "(", ")
 XTC_SPARED = ("\n",)
 """exllamav2's default: XTC never excludes a token whose text holds one of these, nor a special token."""
 
+MAX_IMAGES = 8
+"""Images one request may carry (`images`, or the image parts of all its messages together)."""
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+"""Bytes of one image file, decoded from its base64 (what the gateway and the worker decode with
+image_input.ImageLimits)."""
+MAX_IMAGE_BASE64_CHARS = 4 * -(-MAX_IMAGE_BYTES // 3)
+"""Characters of one image's base64 text: MAX_IMAGE_BYTES, padded (27,962,028)."""
+MAX_IMAGE_PIXELS = 40_000_000
+"""Pixels (width x height, as the file's header claims them) of one image: a decompression bomb is
+refused by its header before any pixel is decoded."""
+MAX_CONTENT_PARTS = 64
+"""Parts of one message's content when it is a list (text and image parts)."""
+MEDIA_TYPE_PATTERN = r"^image/[A-Za-z0-9][A-Za-z0-9.+-]{0,62}$"
+
 IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
 """IDENTIFIER_PATTERN compiled once, for every check of an identifier, a task id or a key prefix."""
 _TOKEN_ID_KEY_RE = re.compile(r"-?[0-9]{1,19}")
@@ -341,6 +366,26 @@ ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
 ToolCallId = Annotated[str, Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)]
 
 
+def _check_base64_image(value: str) -> str:
+    """The protocol bounds an image's base64 text and refuses a data: URL; whether it is base64 at
+    all, and an image, is decoded by the gateway and the worker (image_input/): this module imports
+    no Pillow."""
+    if value.startswith("data:"):
+        raise PydanticCustomError(
+            "image_data_url", "send the base64 text alone, without a data: URL prefix (what follows 'base64,'); "
+                              "the media type goes in media_type", {})
+    if len(value) > MAX_IMAGE_BASE64_CHARS:
+        raise PydanticCustomError(
+            "image_too_large", "at most {max} characters of base64 allowed (MAX_IMAGE_BYTES = {bytes} bytes "
+                               "decoded), got {length}",
+            {"max": MAX_IMAGE_BASE64_CHARS, "bytes": MAX_IMAGE_BYTES, "length": len(value)})
+    return value
+
+
+Base64Image = Annotated[str, Field(min_length=1), AfterValidator(_check_base64_image)]
+MediaType = Annotated[str, Field(pattern=MEDIA_TYPE_PATTERN)]
+
+
 class _Input(BaseModel):
     """Requests: strict, closed. A misspelt option or a "1" for 1 is an error, not a guess."""
 
@@ -372,13 +417,52 @@ class MessageToolCall(_Input):
     function: FunctionCall
 
 
+class ImageData(_Input):
+    """One image of a `prompt` request: the image file's bytes as base64 (PNG, JPEG, WebP, GIF's first
+    frame, ... as Pillow reads them; its own bytes decide its format)."""
+
+    data: Base64Image
+    media_type: MediaType | None = Field(default=None, description="e.g. image/png; informational")
+
+
+class TextContentPart(_Input):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+
+
+class ImageContentPart(_Input):
+    """An image part of a user message's content: an image, where the chat template puts one."""
+
+    type: Literal["image"]
+    data: Base64Image
+    media_type: MediaType | None = Field(default=None, description="e.g. image/png; informational")
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+_CONTENT_TAGS = ("string", "parts")
+
+
+def _content_kind(value: Any) -> str:
+    return "parts" if isinstance(value, (list, tuple)) else "string"
+
+
+MessageContent = Annotated[
+    Annotated[Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)], Tag("string")]
+    | Annotated[Annotated[list[ContentPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS)], Tag("parts")],
+    Discriminator(_content_kind),
+]
+
+
 class ChatMessage(_Input):
     """One chat turn; the worker renders the list with the model's chat template. An assistant
     message may carry the tool calls it made (its content may then be left out); a tool message
-    answers one of them, named by tool_call_id."""
+    answers one of them, named by tool_call_id. Content is a string, or a list of text and image
+    parts (images in user messages only)."""
 
     role: Role
-    content: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+    content: MessageContent
     tool_calls: Annotated[list[MessageToolCall], Field(min_length=1, max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: ToolCallId | None = None
     name: Annotated[str, Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)] | None = Field(
@@ -392,8 +476,26 @@ class ChatMessage(_Input):
             return {**data, "content": ""}
         return data
 
+    @property
+    def text(self) -> str:
+        """The content's text: the string, or the text parts joined (as the gateway joins OpenAI's)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    @property
+    def image_parts(self) -> list[tuple[int, ImageContentPart]]:
+        """(index in content, part) of the content's image parts."""
+        if isinstance(self.content, str):
+            return []
+        return [(i, part) for i, part in enumerate(self.content) if isinstance(part, ImageContentPart)]
+
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> ChatMessage:
+        if self.image_parts and self.role != "user":
+            index = self.image_parts[0][0]
+            raise PydanticCustomError("message_rules", "content[{index}]: image parts only in user messages, got "
+                                                       "role {role}", {"index": index, "role": repr(self.role)})
         if self.tool_calls is not None and self.role != "assistant":
             raise PydanticCustomError("message_rules", "tool_calls: only assistant messages carry them, got role "
                                                        "{role}", {"role": repr(self.role)})
@@ -687,11 +789,22 @@ class GenerationRequest(_Input):
     reasoning_format: ReasoningFormat | None = Field(
         default=None, description="how the model writes its thought (qwen3, deepseek_r1, none); null = the worker's, "
                                   "read from its chat template, for messages")
+    images: Annotated[list[ImageData], Field(max_length=MAX_IMAGES)] = Field(
+        default_factory=list, description="prompt only: the images, in the order of the model's image placeholders "
+                                          "in the prompt (a chat's images are its messages' image parts)")
+
+    def image_inputs(self) -> list[tuple[str, ImageData]]:
+        """(field path, image) of every image the request carries, in prompt order: `images[i]`, or
+        `messages[m].content[p]` for a chat's image parts."""
+        if self.images:
+            return [(f"images[{i}]", image) for i, image in enumerate(self.images)]
+        return [(f"messages[{m}].content[{p}]", ImageData.model_construct(data=part.data, media_type=part.media_type))
+                for m, message in enumerate(self.messages or ()) for p, part in message.image_parts]
 
     @field_validator("messages")
     @classmethod
     def _bound_total_message_chars(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
-        total = sum(len(m.content) + sum(len(call.function.arguments) for call in m.tool_calls or ())
+        total = sum(len(m.text) + sum(len(call.function.arguments) for call in m.tool_calls or ())
                     for m in messages or ())
         if total > MAX_PROMPT_CHARS:
             raise PydanticCustomError(
@@ -863,6 +976,29 @@ def _rule_problems(data: Mapping[str, Any]) -> list[str]:
     elif data.get("tool_choice") not in (None, "none"):
         problems.append("tool_choice: needs tools")
     problems += _template_rule_problems(data)
+    problems += _image_rule_problems(data)
+    return problems
+
+
+def _image_rule_problems(data: Mapping[str, Any]) -> list[str]:
+    """Images: `images` with a prompt, image parts in a chat; at most MAX_IMAGES in all."""
+    problems: list[str] = []
+    images = data.get("images")
+    if isinstance(images, list) and images and data.get("prompt") is None:
+        problems.append("images: only with prompt (a chat's images are image parts of its messages' content; "
+                        "input_ids carry none)")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        count = 0
+        for message in messages:
+            content = message.content if isinstance(message, ChatMessage) else (
+                message.get("content") if isinstance(message, Mapping) else None)
+            if isinstance(content, list):
+                count += sum(isinstance(part, ImageContentPart)
+                             or (isinstance(part, Mapping) and part.get("type") == "image") for part in content)
+        if count > MAX_IMAGES:
+            problems.append(f"messages: at most {MAX_IMAGES} images allowed in all messages together (MAX_IMAGES), "
+                            f"got {count}")
     return problems
 
 
@@ -931,6 +1067,20 @@ def _field_name(name: str) -> str:
     return name if len(name) <= 40 else name[:37] + "..."
 
 
+def _without_content_tags(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """A message content's location without pydantic's union tags: `messages[0].content[3].data`,
+    not `messages[0].content.parts[3].image.data`."""
+    out: list[int | str] = []
+    for part in loc:
+        if len(out) >= 3 and out[-1] == "content" and out[-3] == "messages" and part in _CONTENT_TAGS:
+            continue
+        if (len(out) >= 4 and out[-2] == "content" and out[-4] == "messages" and isinstance(out[-1], int)
+                and part in ("text", "image") and len(out) < len(loc) - 1):
+            continue
+        out.append(part)
+    return tuple(out)
+
+
 def _format_loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
@@ -950,7 +1100,7 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
         (): GenerationRequest, ("sampling",): SamplingParams, ("stream",): StreamOptions,
         ("messages", int): ChatMessage, ("messages", int, "tool_calls", int): MessageToolCall,
         ("messages", int, "tool_calls", int, "function"): FunctionCall, ("tools", int): Tool,
-        ("tools", int, "function"): ToolFunction,
+        ("tools", int, "function"): ToolFunction, ("images", int): ImageData,
     }
     model = models.get(shape)
     return list(model.model_fields) if model else None
@@ -958,7 +1108,8 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
 
 def _describe(error: Mapping[str, Any]) -> str:
     """One "field.path: message" line; pydantic's wording, made to state limits and what was given."""
-    loc, kind, message, value = error["loc"], error["type"], error["msg"], error.get("input")
+    loc: tuple[Any, ...] = _without_content_tags(error["loc"])
+    kind, message, value = error["type"], error["msg"], error.get("input")
     ctx = error.get("ctx") or {}
     if kind == "extra_forbidden":
         allowed = _fields_at(loc[:-1])

@@ -18,7 +18,7 @@ from celery import Celery
 from fastapi.testclient import TestClient
 
 from producer.callbacks import DELIVERY_HEADER
-from producer.client import GenqClient
+from producer.client import GenerationError, GenqClient
 from producer.gateway import GatewaySettings, create_app
 from producer.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, sign, verify
 from tests.gateway_service import MODEL, SECRET, TOKEN, Receiver, bearer, read_sse, signed_post
@@ -97,6 +97,31 @@ def test_openai_errors_are_openai_errors(oai: openai.OpenAI, gateway: str):
         oai.completions.create(model="gpt-4o", prompt="x")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{gateway}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_an_image_to_a_text_only_model_gets_a_400_naming_it(oai: openai.OpenAI):
+    """The card of this module's worker (a tiny Llama) says its model takes no images (issue 27;
+    tests/test_gateway_images.py has the vision worker)."""
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}])
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[0].content[1]", body
+    assert "this model takes no images" in body["message"], body
+    reply = oai.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_an_image_to_a_text_only_worker_fails_naming_it(genq: GenqClient):
+    """Past the gateway (a producer on the protocol alone), the worker refuses it too."""
+    request = {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                                         {"type": "image", "data": "iVBORw0KGgo="}]}],
+               "max_new_tokens": 2}
+    with pytest.raises(GenerationError) as info:
+        genq.submit(request).result(timeout=60)
+    assert info.value.message == "messages[0].content[1]: this worker's model takes no images"
 
 
 def test_closing_an_openai_stream_cancels_its_generation(oai: openai.OpenAI, worker: WorkerProcess,

@@ -18,8 +18,8 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-from engine.vision.image_file import ImageLimits, decode_image
 from engine.vision.processing import image_processor_from_config
+from image_input import ImageLimits, decode_base64_image, decode_image
 
 # The fields of real preprocessor_config.json files (gemma-3-4b-it, siglip-so400m, llava-1.5-7b-hf).
 GEMMA3_CONFIG: dict[str, Any] = {
@@ -128,6 +128,33 @@ def png_claiming(width: int, height: int) -> bytes:
 def test_bad_image_files_are_refused(data: bytes, limits: ImageLimits, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         decode_image(data, limits)
+
+
+GOOD_PNG = file_bytes(random_image("RGB", (16, 12), seed=3), "PNG")
+
+
+@pytest.mark.parametrize("text,limits,message", [
+    ("data:image/png;base64," + base64.b64encode(GOOD_PNG).decode(), ImageLimits(), "data: URL prefix"),
+    ("", ImageLimits(), "empty"),
+    ("aGVsbG8*d29ybGQ=", ImageLimits(), "'\\*' at position 7 is not in the base64 alphabet"),
+    ("aGVs=bG8=", ImageLimits(), "'=' padding may only end it"),
+    ("aGVsbG8gd", ImageLimits(), "one character over"),
+    (base64.urlsafe_b64encode(b"\xfb\xff" * 30).decode(), ImageLimits(), "'-' at position"),
+    (base64.b64encode(GOOD_PNG).decode(), ImageLimits(max_bytes=100), "max_bytes=100"),
+    (base64.b64encode(b"not an image").decode(), ImageLimits(), "not an image"),
+    (base64.b64encode(png_claiming(100_000, 100_000)).decode(), ImageLimits(), "decompression bomb"),
+], ids=["data-url", "empty", "alphabet", "inner-padding", "truncated", "urlsafe", "over-max-bytes", "not-image",
+        "bomb"])
+def test_bad_base64_images_are_refused_naming_the_problem(text: str, limits: ImageLimits, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode_base64_image(text, limits)
+
+
+def test_base64_images_decode_padded_unpadded_and_wrapped() -> None:
+    text = base64.b64encode(GOOD_PNG).decode()
+    wrapped = "\n".join(text[i:i + 76] for i in range(0, len(text), 76))
+    for variant in (text, text.rstrip("="), wrapped):
+        assert decode_base64_image(variant).size == (16, 12)
 
 
 @pytest.mark.parametrize("change,field", [

@@ -1,6 +1,8 @@
 """The layering (docs/architecture.md): kernels <- engine <- worker -> producer.protocol;
 producer never imports engine, kernels, worker or torch; chat_template, the floor below engine
-and producer (both render chats with it), imports none of them, nor torch, celery or redis. The
+and producer (both render chats with it), imports none of them, nor torch, celery or redis;
+image_input, the floor the gateway and the worker decode images with, imports none of ours (and
+the protocol, which the base install validates with, imports no Pillow). The
 development tools (genq_dev: tiny models, the demo-model fetcher, the perplexity scorer) sit on
 top of the engine, outside the service's packages: only the worker commands
 that make or fetch a model import them."""
@@ -21,6 +23,8 @@ FORBIDDEN = {
     "kernels": {"engine", "worker", "producer"},
     "engine": {"worker", "producer", "celery", "redis"},
     "producer": {"engine", "kernels", "worker", "torch", "triton"},
+    "image_input": {"chat_template", "engine", "kernels", "worker", "producer", "genq_dev", "torch", "triton",
+                    "celery", "redis"},
 }
 
 
@@ -62,7 +66,7 @@ DEVTOOLS_USERS = {"worker/cli.py", "worker/dev.py"}
 """`genq make-tiny-model`, `genq demo` and `genq dev`: the commands that make or fetch a model."""
 
 
-@pytest.mark.parametrize("package", ["chat_template", "engine", "kernels", "worker", "producer"])
+@pytest.mark.parametrize("package", ["chat_template", "image_input", "engine", "kernels", "worker", "producer"])
 def test_the_service_never_imports_the_dev_tools(package: str):
     offenders = {
         str(path.relative_to(ROOT)): sorted(
@@ -106,6 +110,14 @@ def test_sequence_imports_nothing_but_the_job():
 
 def test_producer_imports_with_torch_unavailable():
     code = "import sys; sys.modules['torch'] = None; import producer"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_the_protocol_imports_with_pillow_unavailable():
+    """The base install (a backend validating requests) has no Pillow: only the gateway and the
+    worker decode images (image_input/)."""
+    code = ("import sys; sys.modules['PIL'] = None; "
+            "import producer.protocol, producer.client, producer.model_card, producer.cli")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -3,6 +3,7 @@ against a real redis-server and a real worker on its own queue."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -116,6 +117,28 @@ def test_invalid_arguments_exit_2_with_the_protocol_message(genq, tmp_path: Path
         run = genq("submit", *args)
         assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
     assert genq("submit", "Hi", "--max-new-tokens", "many").returncode == 2  # argparse's own
+
+
+def test_images_from_the_command_line_reach_the_worker(genq, tmp_path: Path):
+    """--image PATH (issue 27): as `images` with a prompt, as image parts of the last user message with
+    --messages; this worker's tiny Llama takes none, and says so naming each image's field path."""
+    image = tmp_path / "red.png"
+    image.write_bytes(base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSu"
+                                       "QmCC"))
+    run = genq("submit", "<image> <image> compare", "--image", str(image), "--image", str(image))
+    assert run.returncode == 1, run.stderr
+    assert "images[0]: this worker's model takes no images" in run.stderr and "images[1]:" in run.stderr
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "user", "content": "What is it?"}]))
+    run = genq("submit", "--messages", str(chat), "--image", str(image), "--stream")
+    assert run.returncode == 1 and "messages[0].content[1]: this worker's model takes no images" in run.stderr
+    for args, message in [(["Hi", "--image", str(tmp_path / "missing.png")], "--image"),
+                          (["--input-ids", "1,2", "--image", str(image)], "images: only with prompt")]:
+        run = genq("submit", *args)
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
+    shown = subprocess.run([sys.executable, "-m", "worker.cli", "submit", "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert "--image PATH" in shown.stdout and "images.placeholder" in shown.stdout
 
 
 def test_a_worker_side_failure_exits_1_with_the_worker_message(genq):

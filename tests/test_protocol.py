@@ -629,3 +629,77 @@ def test_a_grammar_without_a_syntax_is_gbnf_when_its_rules_use_the_gbnf_arrow():
 
 def test_the_identifier_regex_is_compiled_once_from_the_pattern():
     assert p.IDENTIFIER_RE.pattern == p.IDENTIFIER_PATTERN and p.IDENTIFIER_RE.fullmatch("cmpl-1.a:b_c")
+
+
+# --- images (issue 27) ---------------------------------------------------------------------------------
+
+IMAGE = {"data": "iVBORw0KGgo=", "media_type": "image/png"}
+IMAGE_PART = {"type": "image", "data": "iVBORw0KGgo="}
+
+
+def chat_with(*parts: Any, role: str = "user") -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": "be brief"}, {"role": role, "content": list(parts)}]}
+
+
+IMAGE_REFUSALS: dict[str, tuple[Any, list[str]]] = {
+    "too many images": ({"prompt": "<image>" * 9, "images": [IMAGE] * 9}, ["images: at most 8 items allowed, got 9"]),
+    "too many image parts": (chat_with(*[IMAGE_PART] * 9), ["messages: at most 8 images", "(MAX_IMAGES), got 9"]),
+    "too many image parts across messages": (
+        {"messages": [{"role": "user", "content": [IMAGE_PART] * 5}] * 2}, ["messages: at most 8 images", "got 10"]),
+    "data URL": ({"prompt": "x", "images": [{"data": "data:image/png;base64,iVBO"}]},
+                 ["images[0].data: send the base64 text alone, without a data: URL prefix"]),
+    "empty data": ({"prompt": "x", "images": [{"data": ""}]}, ["images[0].data:", "at least 1 character"]),
+    "base64 too long": ({"prompt": "x", "images": [{"data": "A" * (p.MAX_IMAGE_BASE64_CHARS + 1)}]},
+                        [f"images[0].data: at most {p.MAX_IMAGE_BASE64_CHARS} characters of base64",
+                         f"MAX_IMAGE_BYTES = {p.MAX_IMAGE_BYTES} bytes"]),
+    "bad media type": ({"prompt": "x", "images": [{"data": "aaaa", "media_type": "text/html"}]},
+                       ["images[0].media_type:", "image/"]),
+    "unknown image field": ({"prompt": "x", "images": [{"data": "aaaa", "url": "http://x"}]},
+                            ["images[0].url: unknown field (allowed: data, media_type)"]),
+    "images with messages": ({**chat_with({"type": "text", "text": "x"}), "images": [IMAGE]},
+                             ["images: only with prompt"]),
+    "images with input_ids": ({"input_ids": [1], "images": [IMAGE]}, ["images: only with prompt"]),
+    "image part data URL": (chat_with({"type": "text", "text": "see"}, {**IMAGE_PART, "data": "data:image/png;base64,"}),
+                            ["messages[1].content[1].data: send the base64 text alone"]),
+    "image part without data": (chat_with({"type": "image"}), ["messages[1].content[0].data: Field required"]),
+    "unknown part type": (chat_with({"type": "image_url", "image_url": {"url": "x"}}),
+                          ["messages[1].content[0]:", "'text', 'image'"]),
+    "image in an assistant message": (chat_with(IMAGE_PART, role="assistant"),
+                                      ["messages[1]: content[0]: image parts only in user messages"]),
+    "no parts": (chat_with(), ["messages[1].content: at least 1 item(s) required, got 0"]),
+    "too many parts": (chat_with(*[{"type": "text", "text": "x"}] * 65), ["messages[1].content: at most 64 items"]),
+    "text parts too long in all": (
+        chat_with({"type": "text", "text": "x" * 600_000}, {"type": "text", "text": "x" * 600_000}),
+        ["messages:", f"at most {p.MAX_PROMPT_CHARS} characters", "got 1200008"]),  # with the system message's
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMAGE_REFUSALS))
+def test_image_refusals_name_the_field_path_and_the_limit(case: str):
+    payload, expected = IMAGE_REFUSALS[case]
+    message = problems(payload)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_images_travel_in_prompt_order_with_their_paths():
+    prompt = GenerationRequest.parse_payload({"prompt": "<image><image> compare", "images": [IMAGE, IMAGE]})
+    assert [path for path, _ in prompt.image_inputs()] == ["images[0]", "images[1]"]
+    assert prompt.to_kwargs()["images"] == [IMAGE, IMAGE]
+    chat = GenerationRequest.parse_payload({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, IMAGE_PART]},
+        {"role": "assistant", "content": [{"type": "text", "text": "b"}]},
+        {"role": "user", "content": [IMAGE_PART, {"type": "text", "text": "c"}, IMAGE_PART]}]})
+    assert [path for path, _ in chat.image_inputs()] == ["messages[0].content[1]", "messages[2].content[0]",
+                                                         "messages[2].content[2]"]
+    assert [m.text for m in chat.messages or ()] == ["a", "b", "c"]
+    assert GenerationRequest.parse_payload(chat.to_kwargs()) == chat
+    # the limits are inclusive
+    GenerationRequest.parse_payload({"prompt": "x", "images": [{"data": "A" * p.MAX_IMAGE_BASE64_CHARS}] * 1})
+    GenerationRequest.parse_payload(chat_with(*[IMAGE_PART] * p.MAX_IMAGES))
+
+
+def test_text_only_requests_are_unchanged_on_the_wire():
+    for payload in ({"prompt": "x"}, {"messages": [{"role": "user", "content": "hi"}]}):
+        request = GenerationRequest.parse_payload(payload)
+        assert request.to_kwargs() == payload and request.image_inputs() == [] and request.images == []

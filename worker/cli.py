@@ -285,6 +285,11 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
     submit.add_argument("prompt", nargs="?", help="the prompt; - reads it from stdin")
     submit.add_argument("--messages", metavar="FILE", help='chat: a JSON list of {"role", "content"}; - = stdin')
     submit.add_argument("--input-ids", metavar="IDS", help="token ids, comma-separated: 1,2,3")
+    submit.add_argument("--image", action="append", metavar="PATH",
+                        help="an image file (PNG, JPEG, WebP, ...) for a vision model; repeat for several, in order. "
+                             "With PROMPT, the prompt marks each with the model's image placeholder (the model card's "
+                             "images.placeholder, e.g. <image>); with --messages, they are appended to the last user "
+                             "message as image parts. The worker decodes and checks them")
     submit.add_argument("--stream", action="store_true", help="print the text as it is generated")
     submit.add_argument("--json", action="store_true",
                         help="print the result as JSON (with --stream: every event, one JSON object a line)")

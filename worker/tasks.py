@@ -23,6 +23,7 @@ from engine.admission import admit
 from producer.protocol import TASK_NAME, GenerationRequest, ProtocolError, StreamEvent, chained_payload
 from worker import delivery
 from worker import runtime as runtime_module
+from worker.images import ImagesNotReady, decode_images, prepare_images
 from worker.jobs import build_job
 from worker.loop import ShuttingDown, Submission
 from worker.publisher import Publisher
@@ -70,6 +71,9 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: 
     attempt, cancel_requested = with_redis_retries(lambda: runtime.publisher.begin_attempt(identifier), "attempt")
     try:
         request = GenerationRequest.parse_payload(chained_payload(kwargs, parents))
+        images = decode_images(request, runtime.card.card.images)
+        if images:
+            prepare_images(request, images)
         generator = runtime.generator
         job = build_job(request, generator.tokenizer, identifier, generator.model.config.vocab_size)
         # The engine's own refusals (context, vocabulary) checked here too, so that they fail as the
@@ -79,6 +83,9 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: 
         message = str(error)
         publish_error(runtime.publisher, identifier, message, attempt)
         raise ProtocolError(message) from None
+    except ImagesNotReady as error:
+        publish_error(runtime.publisher, identifier, str(error), attempt)
+        raise GenerationFailed(str(error)) from None
     deadline = request.deadline
     if request.timeout_s is not None:
         deadline = time.time() + request.timeout_s

@@ -74,6 +74,14 @@ class VisionLanguageConfig:
     projector_bias: bool = True
     # Gemma 3: patches are average-pooled to this many tokens per image
     mm_tokens_per_image: int = 0
+    # Gemma 3: the token a prompt marks an image with (<start_of_image>); the processor expands it
+    boi_token_id: int = 255_999
+
+    @property
+    def placeholder_token_id(self) -> int:
+        """The token whose text marks an image in a prompt: LLaVA's image token (<image>), Gemma 3's
+        <start_of_image> (its processor expands it into the image's soft tokens)."""
+        return self.boi_token_id if self.projector == "gemma3" else self.image_token_id
 
     @property
     def projector(self) -> str:
@@ -118,7 +126,8 @@ class VisionLanguageConfig:
         text_hidden = int(text.get("hidden_size", 4096 if llava else 2304))
         if not llava:
             return cls(architecture, encoder, text_hidden, int(raw.get("image_token_index", 262_144)),
-                       mm_tokens_per_image=_gemma3_tokens(raw, encoder))
+                       mm_tokens_per_image=_gemma3_tokens(raw, encoder),
+                       boi_token_id=int(raw.get("boi_token_index", 255_999)))
         layers = raw.get("vision_feature_layer", -2)
         layers = (layers,) if isinstance(layers, int) else tuple(layers)
         total = encoder.num_layers + 1

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from engine.vision.image_file import DEFAULT_LIMITS, ImageLimits, decode_image
+from image_input import DEFAULT_LIMITS, ImageLimits, decode_image
 
 # Pillow's resampling filters by the integer transformers stores in "resample".
 RESAMPLE_FILTERS = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}

@@ -48,6 +48,7 @@ from producer.gateway.auth import (
 from producer.gateway.completions import completions_router
 from producer.gateway.constraints import ConstraintChecker
 from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
+from producer.gateway.images import ImageRefused, check_images, image_url_parts, resolve_images
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from producer.gateway.model_limits import CardReader, check_request
@@ -339,6 +340,12 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
                                                "which this gateway does not have", param="callback_url")
     generation = await parse_request(gateway.constraints, payload, status=422)
     await gateway.limits.check(generation, status=422, names={})
+    if generation.image_inputs():
+        limits = await gateway.limits.current()
+        try:
+            await check_images(generation, None if limits is None else limits.images, limits is not None)
+        except ImageRefused as error:
+            raise ApiError(422, "invalid_image", str(error), param=error.param) from None
     await gateway.admit()
     identifier = generation.identifier or str(uuid.uuid4())
     nonce = await gateway.records.claim(identifier)
@@ -428,13 +435,19 @@ async def _task_sse(events: AsyncGenerator[StreamEvent, None], after: EventKey |
 async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest) -> Any:
     settings = gateway.settings
     check_model(settings, body.model)
+    limits = await gateway.limits.current()
     try:
-        fields = body.to_request_fields(settings.ignore_unknown_params)
+        body.check_params(settings.ignore_unknown_params)
+        images = await resolve_images(image_url_parts(body.messages), None if limits is None else limits.images,
+                                      limits is not None, allow_private=settings.image_url_allow_private_hosts,
+                                      fetch_timeout_s=settings.image_fetch_timeout_s)
+        fields = body.to_request_fields(settings.ignore_unknown_params, images)
     except UnsupportedParameter as error:
         raise ApiError(400, error.code, str(error), param=error.param) from None
+    except ImageRefused as error:
+        raise ApiError(400, "invalid_image", str(error), param=error.param) from None
     identifier = f"chatcmpl-{uuid.uuid4().hex}"
     names = body.param_names()
-    limits = await gateway.limits.current()
     if fields.get("tools") is not None and limits is not None and limits.tool_format is not None:
         # The worker then forces and reads calls in the format this gateway reads the stream in.
         fields["tool_format"] = limits.tool_format

@@ -56,6 +56,7 @@ from producer.model_card import (
     CARD_TTL_S,
     CARD_VERSION,
     CHAT_TEMPLATE_JSON,
+    ImageSupport,
     WorkerCard,
     card_key,
     chat_template_key,
@@ -142,6 +143,8 @@ class ModelLimits:
     """The format the workers' model thinks in; None when they disagree or do not say."""
     chat: ChatTemplate | None = None
     """The workers' chat templates; None when they have none, disagree, or do not publish them."""
+    images: ImageSupport | None = None
+    """What the workers say about images (the one allowing most); None: their model takes none."""
 
 
 class CardReader:
@@ -203,7 +206,9 @@ class CardReader:
                            chat_template=any(c.chat_template for c in cards), tokenizer=tokenizer, workers=len(cards),
                            tool_format=formats.pop() if len(formats) == 1 else None,
                            reasoning_format=thinking.pop() if len(thinking) == 1 else None,
-                           chat=None if digest is None else await self._load_chat(digest))
+                           chat=None if digest is None else await self._load_chat(digest),
+                           images=max((c.images for c in cards if c.images is not None), default=None,
+                                      key=lambda images: images.max_images))
 
     async def _load_tokenizer(self, identity: tuple[str, bool, int, int | None]) -> PromptTokenizer | None:
         if self._tokenizer is not None and self._tokenizer[0] == identity:
@@ -314,11 +319,14 @@ async def _prompt_tokens(limits: ModelLimits, request: GenerationRequest) -> tup
         return "prompt", count, True
     if tokenizer is None:
         return "messages", 1, False
-    if limits.chat is not None and (tokenizer.bos_token_id is not None or not tokenizer.add_bos):
+    # A chat with images is bounded by its text only: how a template renders image parts and how
+    # many tokens each image becomes are the worker's (it checks the context with them).
+    if limits.chat is not None and (tokenizer.bos_token_id is not None or not tokenizer.add_bos) \
+            and not request.image_inputs():
         try:
             return "messages", await anyio.to_thread.run_sync(_chat_tokens, tokenizer, limits.chat, request), True
         except (ProtocolError, ValueError):
             pass
-    contents = [m.content for m in request.messages or () if m.role in BOUNDED_ROLES]
+    contents = [m.text for m in request.messages or () if m.role in BOUNDED_ROLES]
     bound = await anyio.to_thread.run_sync(tokenizer.content_tokens_lower_bound, contents)
     return "messages", max(1, bound), False

@@ -59,6 +59,7 @@ from pydantic import (
 
 from producer.bounded_json import JsonLimitError, loads_bounded
 from producer.client import GenerationError, StreamRestarted
+from producer.gateway.images import IMAGE_URL_PART_SHAPE
 from producer.protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_N,
@@ -121,6 +122,9 @@ REFUSED_PARAMS: dict[str, str] = {
     "web_search_options": "web search is not supported by genq",
 }
 """OpenAI parameters refused whenever they are set (tools, echo, ... are checked by their models)."""
+COMPLETIONS_IMAGE_PARAMS = ("images", "multi_modal_data", "image_url")
+"""What clients send images to a completions endpoint as (genq's `images`, vLLM's offline
+multi_modal_data): refused by name, the completions endpoint takes no images."""
 _FIELD_RE = re.compile(r"(?:sampling\.)?\w+")
 
 
@@ -457,6 +461,10 @@ class CompletionRequest(_CommonParams):
     def to_request_fields(self, ignore_unknown: bool = False) -> dict[str, Any]:
         """The GenerationRequest fields (not yet validated) this request asks for, but its prompt:
         prompts() gives each task's."""
+        for param in COMPLETIONS_IMAGE_PARAMS:
+            if (self.model_extra or {}).get(param) is not None:
+                raise UnsupportedParameter(param, "the completions endpoint takes no images; send them as image_url "
+                                                  "parts of a user message to POST /v1/chat/completions")
         self._check_supported(ignore_unknown)
         for param, value, neutral in (("best_of", self.best_of, (None, 1)), ("suffix", self.suffix, (None, ""))):
             if value not in neutral:
@@ -493,22 +501,26 @@ class ChatMessageParam(_Nested):
     name: str | None = None
 
     def unknown_keys(self, path: str) -> list[str]:
-        """The message's unknown keys, and those of its text parts."""
+        """The message's unknown keys, and those of its text and image parts."""
         found = super().unknown_keys(path)
         for index, part in enumerate(self.content if isinstance(self.content, list) else ()):
             if part.get("type") == "text":
                 found += unknown_keys(part, TEXT_PART_SHAPE, f"{path}.content[{index}]")
+            elif part.get("type") == "image_url":
+                found += unknown_keys(part, IMAGE_URL_PART_SHAPE, f"{path}.content[{index}]")
         return found
 
-    def fields(self, index: int) -> dict[str, Any]:
+    def fields(self, index: int, images: Mapping[int, dict[str, Any]] | None = None) -> dict[str, Any]:
         """The protocol's ChatMessage fields of this message. OpenAI's "developer" role is its
         newer name for the system prompt; a tool call's arguments given as an object (some
-        clients send one) become its JSON text."""
+        clients send one) become its JSON text. With `images` (content index -> the protocol's
+        image part, producer/gateway/images.py) the content stays a list of parts, one per part
+        sent; without, it is the text parts joined."""
         if (self.model_extra or {}).get("function_call") is not None:
             raise UnsupportedParameter(f"messages[{index}].function_call", "a legacy function call in the history "
                                        "is not supported; send it as tool_calls (and its answer as a tool message)")
         fields: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                  "content": self.text(index)}
+                                  "content": self.parts(index, images) if images else self.text(index)}
         if self.tool_calls:
             fields["tool_calls"] = [_history_call(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -520,17 +532,27 @@ class ChatMessageParam(_Nested):
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        texts = []
-        for part_index, part in enumerate(self.content):
-            if part.get("type") != "text":
-                raise UnsupportedParameter(f"messages[{index}].content[{part_index}]",
-                                           f"only text parts are supported, got type {part.get('type')!r}")
-            try:
-                texts.append(TextPart.model_validate(part).text)
-            except ValidationError:
-                raise InvalidParameter(f"messages[{index}].content[{part_index}]",
-                                       'a text part is {"type": "text", "text": <string>}') from None
-        return "".join(texts)
+        return "".join(self._text_part(index, part_index, part) for part_index, part in enumerate(self.content))
+
+    def parts(self, index: int, images: Mapping[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The content as the protocol's parts: the resolved images where the image_url parts were."""
+        assert isinstance(self.content, list)
+        return [images[part_index] if part_index in images
+                else {"type": "text", "text": self._text_part(index, part_index, part)}
+                for part_index, part in enumerate(self.content)]
+
+    @staticmethod
+    def _text_part(index: int, part_index: int, part: dict[str, Any]) -> str:
+        if part.get("type") != "text":
+            where = (" here (POST /v1/chat/completions takes them)" if part.get("type") == "image_url"
+                     else ", and image_url parts")
+            raise UnsupportedParameter(f"messages[{index}].content[{part_index}]",
+                                       f"only text parts are supported{where}, got type {part.get('type')!r}")
+        try:
+            return TextPart.model_validate(part).text
+        except ValidationError:
+            raise InvalidParameter(f"messages[{index}].content[{part_index}]",
+                                   'a text part is {"type": "text", "text": <string>}') from None
 
 
 class ChatCompletionRequest(_CommonParams):
@@ -578,7 +600,14 @@ class ChatCompletionRequest(_CommonParams):
             names["constraint"] = "response_format"
         return names
 
-    def to_request_fields(self, ignore_unknown: bool = False) -> dict[str, Any]:
+    def check_params(self, ignore_unknown: bool = False) -> None:
+        """Refuse unsupported and unknown parameters (before any image is fetched)."""
+        self._check_supported(ignore_unknown)
+
+    def to_request_fields(self, ignore_unknown: bool = False,
+                          images: Mapping[tuple[int, int], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The GenerationRequest fields (not yet validated); `images`: (message, part) -> the
+        protocol's image part of each image_url part (producer/gateway/images.py resolves them)."""
         self._check_supported(ignore_unknown)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self._request_fields(max_tokens, DEFAULT_MAX_NEW_TOKENS)
@@ -594,7 +623,10 @@ class ChatCompletionRequest(_CommonParams):
         constraint = self._one_constraint(asked)
         if constraint is not None:
             fields["constraint"] = constraint
-        fields["messages"] = [m.fields(i) for i, m in enumerate(self.messages)]
+        by_message: dict[int, dict[int, dict[str, Any]]] = {}
+        for (message, part), image in (images or {}).items():
+            by_message.setdefault(message, {})[part] = image
+        fields["messages"] = [m.fields(i, by_message.get(i)) for i, m in enumerate(self.messages)]
         fields.update(self._tool_fields())
         for name in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
             if getattr(self, name) is not None:

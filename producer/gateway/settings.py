@@ -61,6 +61,13 @@ class GatewaySettings(ClientSettings):
                                    description="a connection whose client takes nothing of the response for this "
                                                "long (the send buffer stays full) is closed")
 
+    image_fetch_timeout_s: float = Field(default=10.0, gt=0, le=600,
+                                         description="an image_url the gateway fetches (http or https) must arrive "
+                                                     "within this long, or the request is refused (400)")
+    image_url_allow_private_hosts: bool = Field(
+        default=False, description="fetch image URLs on loopback, private, link-local, ... addresses (trusted "
+                                   "deployments; the callbacks' address rule otherwise)")
+
     webhook_secret: SecretStr | None = Field(default=None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="HMAC key of webhook signatures and callbacks")
     callback_queue: str = Field(default=DEFAULT_CALLBACK_QUEUE, validation_alias="GENQ_CALLBACK_QUEUE")

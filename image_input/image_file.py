@@ -3,7 +3,9 @@
 Limits are checked on what the header claims (byte count, then width x height) so that a small
 file claiming a huge canvas (a decompression bomb) costs nothing to refuse.
 """
+import binascii
 import io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +33,45 @@ class ImageLimits:
 
 
 DEFAULT_LIMITS = ImageLimits()
+
+# Standard base64 (RFC 4648 section 4), padded or not; URL-safe "-" and "_" are not accepted.
+_BASE64_RE = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_WHITESPACE = re.compile(r"\s+")
+
+
+def base64_decoded_size(text: str) -> int:
+    """The bytes `text` decodes to if it is well-formed base64 (padding and whitespace not counted)."""
+    length = len(text) - text.count("=")
+    return length * 3 // 4
+
+
+def decode_base64_image(text: str, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
+    """decode_image of base64 text (standard alphabet; padding optional; line breaks allowed, as MIME
+    writes them). Malformed base64 is refused, naming what is wrong, before any byte reaches Pillow; so
+    is text that would decode to more than max_bytes, before it is decoded."""
+    if text.startswith("data:"):
+        raise ValueError("base64 data must not carry a data: URL prefix (send what follows 'base64,')")
+    if any(c in text for c in " \t\r\n\f\v"):
+        text = _WHITESPACE.sub("", text)
+    if not text:
+        raise ValueError("base64 data is empty")
+    size = base64_decoded_size(text)
+    if size > limits.max_bytes:
+        raise ValueError(f"image is {size} bytes (decoded), more than max_bytes={limits.max_bytes}")
+    if not _BASE64_RE.fullmatch(text):
+        bad = next((i for i, c in enumerate(text) if not (c.isascii() and (c.isalnum() or c in "+/="))), None)
+        where = (f"the character {text[bad]!r} at position {bad} is not in the base64 alphabet" if bad is not None
+                 else "'=' padding may only end it")
+        raise ValueError(f"base64 data is malformed: {where}")
+    if len(text.rstrip("=")) % 4 == 1:
+        raise ValueError(f"base64 data is malformed: its length without padding ({len(text.rstrip('='))}) "
+                         "leaves one character over (a truncated string)")
+    padded = text.rstrip("=") + "=" * (-len(text.rstrip("=")) % 4)
+    try:
+        data = binascii.a2b_base64(padded, strict_mode=True)
+    except binascii.Error as error:
+        raise ValueError(f"base64 data is malformed: {error}") from None
+    return decode_image(data, limits)
 
 
 def decode_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:

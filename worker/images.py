@@ -1,0 +1,101 @@
+"""A request's images on the worker: what the card says about them, the refusals before any pixel
+work, and the one hand-off to the vision side.
+
+- `image_support`: the card's `images` (producer/model_card.py) from the model directory's
+  config.json (engine/vision/config.py reads LLaVA's and Gemma 3's): the placeholder a `prompt`
+  marks an image with, the tokens one image becomes, how many images a request may carry.
+- `decode_images`: every image the request carries, decoded with image_input/ within the
+  protocol's limits (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS), after the checks that need no decoding (a
+  model that takes no images, too many images, a prompt whose placeholders do not match). Each
+  refusal is a ProtocolError naming the image's field path, so malformed base64, a decompression
+  bomb or a file that is not an image never reaches the vision tower.
+- `prepare_images`: decoded images -> what the engine job needs. The engine side (the vision tower
+  running in the worker, embeddings in the page hash chain) fills it in; until then it refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import NoReturn
+
+from PIL import Image
+
+from engine import Generator
+from image_input import ImageLimits, decode_base64_image
+from producer.model_card import ImageSupport
+from producer.protocol import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, GenerationRequest, ProtocolError
+
+log = logging.getLogger(__name__)
+
+IMAGE_LIMITS = ImageLimits(max_bytes=MAX_IMAGE_BYTES, max_pixels=MAX_IMAGE_PIXELS)
+NOT_YET = ("images: this worker's model takes images, but the worker does not run its vision tower yet "
+           "(worker/images.py prepare_images; issue 27's engine side): the request was not run")
+
+
+class ImagesNotReady(RuntimeError):
+    """A valid request with images that this worker cannot run yet; the task fails with GenerationFailed."""
+
+
+def image_support(model: str, generator: Generator) -> ImageSupport | None:
+    """The card's `images` for the model at `model` (a directory), or None when it takes none: a text
+    model, a GGUF file, or a vision config the engine does not read (logged)."""
+    config_path = Path(model) / "config.json"
+    if not config_path.is_file():
+        return None
+    from engine.vision.config import ARCHITECTURES, VisionLanguageConfig
+
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or not set(raw.get("architectures") or ()) & set(ARCHITECTURES):
+        return None
+    try:
+        config = VisionLanguageConfig.from_dict(raw)
+    except ValueError as error:
+        log.warning("the model's vision config cannot be read (%s): the card says it takes no images", error)
+        return None
+    placeholder = generator.tokenizer.backend.id_to_token(config.placeholder_token_id)
+    if not placeholder:
+        log.warning("the model's image token %d has no text: the card says it takes no images",
+                    config.placeholder_token_id)
+        return None
+    fit = generator.max_seq_len // config.tokens_per_image
+    return ImageSupport(placeholder=placeholder, tokens_per_image=config.tokens_per_image,
+                        max_images=min(MAX_IMAGES, fit))
+
+
+def decode_images(request: GenerationRequest, support: ImageSupport | None) -> list[Image.Image]:
+    """The request's images, decoded in prompt order; ProtocolError naming every problem."""
+    inputs = request.image_inputs()
+    if not inputs:
+        return []
+    if support is None:
+        raise ProtocolError([f"{path}: this worker's model takes no images" for path, _ in inputs])
+    if len(inputs) > support.max_images:
+        field = "images" if request.images else "messages"
+        raise ProtocolError([f"{field}: this worker's model takes at most {support.max_images} images per request "
+                             f"({support.tokens_per_image} tokens each), got {len(inputs)}"])
+    problems = []
+    if request.prompt is not None:
+        marks = request.prompt.count(support.placeholder)
+        if marks != len(inputs):
+            problems.append(f"prompt: holds the image placeholder {support.placeholder!r} {marks} time(s) for "
+                            f"{len(inputs)} image(s); put it once where each image goes")
+    decoded = []
+    for path, image in inputs:
+        try:
+            decoded.append(decode_base64_image(image.data, IMAGE_LIMITS))
+        except ValueError as error:
+            problems.append(f"{path}: {error}")
+    if problems:
+        raise ProtocolError(problems)
+    return decoded
+
+
+def prepare_images(request: GenerationRequest, decoded: list[Image.Image]) -> NoReturn:
+    """The decoded images -> what the engine job needs (pixels, the tower's embeddings, their
+    spans in the prompt). The engine side of issue 27 fills this in; until then it refuses."""
+    raise ImagesNotReady(NOT_YET)
