@@ -20,6 +20,7 @@ RUN useradd --create-home --uid 10001 genq
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY chat_template chat_template
+COPY grammar_limits grammar_limits
 COPY engine engine
 COPY kernels kernels
 COPY worker worker

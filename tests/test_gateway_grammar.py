@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from producer.grammar_check import MAX_ERROR_CHARS
+from grammar_limits import MAX_ERROR_CHARS
 from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, service_env
 
 QUEUE = "genq-gateway-grammar"
