@@ -3,7 +3,7 @@ one scheduling step and one batched forward.
 
 A step reads as nano-vllm's and vLLM v1's do: schedule → propose drafts → forward → sample (plain
 and verify rows in one batched draw) → process outputs → update the scheduler → apply the
-decisions the output processor returned (finish, rewind). With overlap, the text of a step's
+decisions the output processor returned (finish, fail, rewind). With overlap, the text of a step's
 tokens is produced while the next step's forward runs, so a token's result comes with the
 following iterate().
 

@@ -1,12 +1,8 @@
-"""A step's batch: the rows it runs and samples, its device work and read-back, and the tokens
-each job takes from what was drawn.
-
-nano-vllm's ModelRunner.run (forward, then sample) and Scheduler.postprocess (append, check the
-end), vLLM v1's InputBatch, ModelRunnerOutput and the accept part of Scheduler.update_from_output.
-Here the runner and the scheduler below the step see only tokens and pages, so what reads a job's
-sampling state (sample rows, verification, appending under a grammar) sits in this module, above
-them; the generator only launches the batch and applies what `take_tokens` returns.
-"""
+"""A step's batch (the rows it runs and samples), its device work and read-back, and the tokens each
+job takes from what was drawn: nano-vllm's ModelRunner.run and Scheduler.postprocess, vLLM v1's
+InputBatch, ModelRunnerOutput and the accept part of Scheduler.update_from_output. The runner and
+the scheduler below the step see only tokens and pages, so what reads a job's sampling state sits
+here, above them."""
 
 from __future__ import annotations
 
