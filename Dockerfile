@@ -21,6 +21,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY chat_template chat_template
 COPY image_input image_input
+COPY grammar_limits grammar_limits
 COPY engine engine
 COPY kernels kernels
 COPY worker worker

@@ -7,6 +7,7 @@ imported as a sibling, not as part of a package.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -149,6 +150,25 @@ def results_json(results: Any) -> str:
         return value
 
     return json.dumps(portable(results), indent=2) + "\n"
+
+
+def bench_parser(description: str | None, quick: str, epilog: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its module docstring as written, how long the full run takes, and
+    --quick, the smoke run (`quick` says what it runs)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=epilog)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    return parser
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 120, rect: tuple[float, float, float, float] | None = None) -> None:
+    """Lay out a benchmark's figure (within `rect`, leaving room for a figure legend), write it and
+    close it: pyplot keeps every figure it made until it is closed."""
+    import matplotlib.pyplot as plt  # the benchmark chose the backend when it imported pyplot
+
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def write_results(

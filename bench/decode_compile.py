@@ -23,7 +23,16 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, ensure_model, load_average, machine_info, progress, warn_if_busy, write_results
+from bench_common import (
+    RESULTS_DIR,
+    ensure_model,
+    load_average,
+    machine_info,
+    progress,
+    save_figure,
+    warn_if_busy,
+    write_results,
+)
 from host_overhead import ForwardTimer, sampler_timer
 from host_overhead import measure as measure_step
 
@@ -114,9 +123,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("median forward ms per decode step")
     ax.set_title(f"decode forward, {results['preset']} model, {results['threads']} thread(s)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(results: dict[str, Any]) -> str:

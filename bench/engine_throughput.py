@@ -59,6 +59,7 @@ import transformers
 from bench_common import (
     RESULTS_DIR,
     available_cores,
+    bench_parser,
     ensure_model,
     load_average,
     machine_info,
@@ -114,15 +115,11 @@ WARMUP_WORKLOAD = WorkloadSpec(num_requests=2, prompt_len=(8, 16), new_tokens=(4
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = bench_parser(
+        __doc__,
+        quick="smoke run: 8 requests, prompts 16-64, 8-32 new tokens, tiny model only, padded batch sizes 4,8; "
+              "writes engine_throughput_quick.{json,png}",
         epilog="The full run takes many minutes on a small CPU: run it on a quiet machine; --quick is a smoke check.",
-    )
-    parser.add_argument(
-        "--quick", action="store_true",
-        help="smoke run: 8 requests, prompts 16-64, 8-32 new tokens, tiny model only, padded batch sizes 4,8; "
-             "writes engine_throughput_quick.{json,png}",
     )
     parser.add_argument(
         "--models", default=None,

@@ -29,7 +29,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, warn_if_busy, write_results
+from bench_common import RESULTS_DIR, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -173,9 +173,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.bar(labels, [results["engines"][label]["generated_tokens_per_s"] for label in labels])
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"{results['model']}, {results['requests']} chat requests: {results['speedup']}x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(results: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, write_results
+from bench_common import RESULTS_DIR, load_average, machine_info, progress, save_figure, write_results
 
 from engine.tokenizer import Tokenizer
 
@@ -225,9 +225,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("mean mask time per token (µs)")
     ax.set_title(f"token bitmask, vocabulary {results['vocab_size']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(results: dict[str, Any]) -> str:

@@ -60,6 +60,7 @@ from bench_common import (
     load_average,
     machine_info,
     progress,
+    save_figure,
     warn_if_busy,
     write_results,
 )
@@ -242,9 +243,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{mode}: median decode step (host, sampler, forward stacked)")
         ax.set_ylabel("ms per decode step")
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: one entry per run and part
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(results: dict[str, Any]) -> str:

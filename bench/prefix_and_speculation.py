@@ -80,6 +80,7 @@ import torch
 from bench_common import (
     RESULTS_DIR,
     available_cores,
+    bench_parser,
     ensure_model,
     load_average,
     machine_info,
@@ -132,15 +133,11 @@ DEFAULT_SPECULATIVE_BATCH = 8  # Generator's default, checked against its signat
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = bench_parser(
+        __doc__,
+        quick="smoke run: (a) 16 requests, 512-token shared prefix, 8 new tokens; (b) 48 new tokens, batch 1 on "
+              "2 prompts, num_draft_tokens 4 only; 1 repetition; writes prefix_and_speculation_quick.{json,png}",
         epilog="The full run takes a few minutes on 2 CPU cores; --quick is a smoke check (~1 minute).",
-    )
-    parser.add_argument(
-        "--quick", action="store_true",
-        help="smoke run: (a) 16 requests, 512-token shared prefix, 8 new tokens; (b) 48 new tokens, batch 1 on "
-             "2 prompts, num_draft_tokens 4 only; 1 repetition; writes prefix_and_speculation_quick.{json,png}",
     )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--model", default="tiny", choices=list(PRESETS), help="llama preset (default tiny)")

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import ensure_model, load_average, machine_info, progress, warn_if_busy, write_results
+from bench_common import ensure_model, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
 
 from producer.client import GenqClient
 from worker.processes import RedisServer, WorkerProcess
@@ -141,9 +141,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     s = results["settings"]
     fig.suptitle(f"{s['workers']} workers, {s['groups']} system prompts x {s['per_group']} requests, "
                  f"cache {s['cache_tokens']} tokens/worker - {results['machine']['date']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def markdown_table(results: dict[str, Any]) -> str:

@@ -66,6 +66,7 @@ import torch
 from bench_common import (
     RESULTS_DIR,
     available_cores,
+    bench_parser,
     ensure_model,
     load_average,
     machine_info,
@@ -107,15 +108,11 @@ TIMING_METHOD = {
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = bench_parser(
+        __doc__,
+        quick="smoke run: 8 requests (prompts 16-64, 8-32 new tokens) and 5 single requests; "
+              "writes service_overhead_quick.{json,png}",
         epilog="The full run takes minutes on a small CPU: run it on a quiet machine; --quick is a smoke check.",
-    )
-    parser.add_argument(
-        "--quick", action="store_true",
-        help="smoke run: 8 requests (prompts 16-64, 8-32 new tokens) and 5 single requests; "
-             "writes service_overhead_quick.{json,png}",
     )
     parser.add_argument(
         "--models", default="tiny", help=f"comma-separated llama presets out of {','.join(PRESETS)} (default tiny)"

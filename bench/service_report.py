@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from bench_common import save_figure  # noqa: E402
 
 PATHS = {"engine": "engine alone (in-process)", "service": "service (Celery + Redis + worker)"}
 _COLORS = {"engine": "tab:blue", "service": "tab:orange"}
@@ -96,6 +97,4 @@ def plot(results: dict[str, Any], path: Path) -> None:
         f"torch threads: {settings['threads']} - {machine['date']}",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, rect=(0, 0.07, 1, 1))

@@ -28,7 +28,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, warn_if_busy, write_results
+from bench_common import RESULTS_DIR, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
 
 from engine import Constraint, Generator, Job
 
@@ -150,9 +150,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"structured output, {results['model']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(results: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from bench_common import save_figure  # noqa: E402
 
 SYSTEM_LABELS = {
     "engine": "genq engine",
@@ -119,6 +120,4 @@ def plot(results: dict[str, Any], path: Path) -> None:
         f"{machine['torch_threads']} threads - {machine['date']}",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, rect=(0, 0.07, 1, 1))

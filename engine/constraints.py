@@ -49,23 +49,12 @@ import torch
 from engine.constraint_spec import Constraint
 from engine.engine_config import ConstraintBudget
 from engine.errors import JobRejected
+from grammar_limits import MAX_ERROR_CHARS as MAX_ERROR_CHARS  # re-exported: the length a job's error keeps to
+from grammar_limits import limit_problem
 
 GRAMMAR_CACHE_SIZE = 256
 MATCHER_CACHE_SIZE = 64
 MASK_THREADS = 1
-MAX_ERROR_CHARS = 200
-"""A constraint's error is one line of at most this many characters."""
-_LIMIT_MESSAGES = (
-    ("Current row has", "max_items_in_row"),
-    ("Too many items", "step_max_items"),
-    ("grammar size (number of symbols) too big", "max_grammar_size"),
-    ("initial lexer configuration (grammar) too big", "initial_lexer_fuel"),
-    ("lexer precomputation failed", "initial_lexer_fuel"),
-    ("too many expressions constructed", "initial_lexer_fuel"),
-    ("fuel exhausted", "step_lexer_fuel"),
-    ("derivatives with total fuel", "step_lexer_fuel"),
-)
-"""llguidance's message when a parser limit trips -> the LLParserLimits field that did."""
 _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 """Row b: the 8 bits of byte value b, lowest first."""
 
@@ -150,18 +139,6 @@ class ConstraintCompiler:
         return _Started(matcher, first_mask)
 
 
-def limit_problem(error: str, limits: llguidance.LLParserLimits | None = None) -> str:
-    """llguidance's error as one line; a parser limit that tripped is named with its value in
-    `limits` (llguidance's defaults if not given)."""
-    line = _one_line(error.replace("<non-verbose/>", ""))
-    for message, name in _LIMIT_MESSAGES:
-        if message in line:
-            value = getattr(limits or llguidance.LLParserLimits(), name)
-            line = f"over llguidance's {name} limit ({value}): {line}"
-            break
-    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
-
-
 def _in_vocab(token: int | None, vocab_size: int) -> int | None:
     return token if token is not None and 0 <= token < vocab_size else None
 
@@ -174,12 +151,6 @@ def _fill_mask(matcher: llguidance.LLMatcher, eos_token_id: int | None, words: i
     elif eos_token_id is not None:
         bitmask[0, eos_token_id // 32] = 1 << (eos_token_id % 32)
     return bitmask[0]
-
-
-def _one_line(problem: str) -> str:
-    """llguidance's multi-line diagnostics (with caret lines) as one line for an error message."""
-    lines = [line.strip() for line in problem.splitlines()]
-    return "; ".join(line for line in lines if line and set(line) != {"^"})
 
 
 def _compact(schema: str) -> str:

@@ -3,7 +3,7 @@ one scheduling step and one batched forward.
 
 A step reads as nano-vllm's and vLLM v1's do: schedule → propose drafts → forward → sample (plain
 and verify rows in one batched draw) → process outputs → update the scheduler → apply the
-decisions the output processor returned (finish, rewind). With overlap, the text of a step's
+decisions the output processor returned (finish, fail, rewind). With overlap, the text of a step's
 tokens is produced while the next step's forward runs, so a token's result comes with the
 following iterate().
 
@@ -36,16 +36,16 @@ from engine.job import Job
 from engine.kv_manager import KVManager
 from engine.loading import check_draft_pair, load_engine
 from engine.model import CausalLM
-from engine.model_runner import BatchRow, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, ProcessedStep, StepTokens
-from engine.outputs import EngineOutput, FinishReason, Stage, TokenLogprob
-from engine.prompt_logprobs import PromptChunk, ScoredPrompts
+from engine.outputs import EngineOutput, FinishReason, Stage
 from engine.sampler_settings import SamplerSettings
-from engine.sampling_state import SampleRow, SamplingState, append_tokens
+from engine.sampling_state import SamplingState
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.spec_decode import Drafter, accept, verify_rows
+from engine.spec_decode import Drafter
 from engine.stats import GeneratorStats, StepCounters, collect
+from engine.step_batch import Drawn, StepBatch, take_tokens
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,31 +54,11 @@ PREPARE_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
-class _SampledJob:
-    """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified."""
-
-    sequence: Sequence
-    first: int
-    draft: list[int]
-
-
-@dataclass(frozen=True)
-class _Drawn:
-    """A step's read-back: one sampled id per sample row (-1: nothing could be drawn), the
-    logprobs of the rows whose jobs asked for them, and the prompt log-probabilities its prefill
-    chunks scored (serial -> first scored position, entries)."""
-
-    tokens: list[int]
-    logprobs: dict[int, TokenLogprob]
-    prompts: dict[int, tuple[int, list[TokenLogprob]]]
-
-
-@dataclass(frozen=True)
 class _Step:
-    """A launched step: its forward and sampling."""
+    """A launched step: its batch, and the future of its forward and sampling."""
 
-    work: Future[_Drawn]
-    sampled: list[_SampledJob]
+    work: Future[Drawn]
+    batch: StepBatch
 
 
 class Generator:
@@ -284,7 +264,10 @@ class Generator:
     # -- the step --------------------------------------------------------------------
 
     def iterate(self) -> list[EngineOutput]:
-        """One scheduling step and one batched forward; every result produced in it."""
+        """One scheduling step and one batched forward; every result produced in it. Schedule →
+        propose drafts, forward, sample or verify (_launch) → process outputs → take the tokens and
+        update the scheduler (_complete) → apply the decisions (_apply). With overlap the outputs
+        processed are the previous step's, while this one's forward runs."""
         self._admit_prepared()
         results, self._undelivered = self._undelivered, []
         schedule = self.scheduler.schedule()
@@ -297,11 +280,8 @@ class Generator:
             results.append(self.outputs.output(sequence, Stage.STARTED))
         step = self._launch(schedule) if schedule.scheduled else None
         processed = self._process_appended() if self.overlap else None
-        decided: set[int] = set()
-        if processed is not None:
-            decided = {f.serial for f in processed.finished} | {r.serial for r in processed.rewinds}
         if step is not None:
-            self._complete(schedule, step, decided)
+            self._complete(schedule, step, processed.decided() if processed is not None else set())
         results += [self.outputs.prefill_progress(item.sequence) for item in schedule.scheduled
                     if not item.samples and item.sequence.serial in self._sequences]
         if processed is None:
@@ -313,114 +293,36 @@ class Generator:
         return results
 
     def _launch(self, schedule: SchedulerOutput) -> _Step:
-        """Propose drafts, then start the forward and the sampling of every sampling row (on the
+        """Propose drafts, then start the forward and the sampling of the step's batch (on the
         overlap thread, or here)."""
         self.counters.steps += 1
         drafts = self.drafter.propose(schedule.scheduled, self._sampling)
-        rows: list[BatchRow] = []
-        samples: list[SampleRow] = []
-        sampled: list[_SampledJob] = []
-        prompts: list[PromptChunk] = []
-        sample_at: list[int] = []  # the logits row of each sample row
-        logits_rows = 0
-        for item in schedule.scheduled:
-            sequence = item.sequence
-            draft = drafts.get(sequence.serial, []) if drafts else []
-            row = BatchRow.scheduled(item, draft)
-            rows.append(row)
-            if sequence.scores_prompt:
-                chunk = PromptChunk.of(sequence, row.start, item.num_tokens, logits_rows)
-                if chunk is not None:
-                    prompts.append(chunk)
-            logits_rows += row.num_logits
-            if item.samples:
-                sample_at += range(logits_rows - 1 - len(draft), logits_rows)
-                sampled.append(_SampledJob(sequence, len(samples), draft))
-                state = self._sampling[sequence.serial]
-                samples += verify_rows(sequence, state, draft) if draft else [SampleRow.next_token(sequence, state)]
-            if sequence.num_computed < sequence.num_prompt_tokens:
-                self.counters.computed_prompt_tokens += min(item.num_tokens,
-                                                            sequence.num_prompt_tokens - sequence.num_computed)
-        picked = sample_at if logits_rows > len(sample_at) else None  # prompt rows besides the sample rows
+        batch = StepBatch.build(schedule.scheduled, drafts, self._sampling)
+        self.counters.computed_prompt_tokens += batch.prompt_tokens
         if self._executor is None:
-            work: Future[_Drawn] = Future()
-            work.set_result(self._forward_and_sample(rows, samples, prompts, picked))
+            work: Future[Drawn] = Future()
+            work.set_result(batch.run(self.runner, self.sampler))
         else:
-            work = self._executor.submit(self._forward_and_sample, rows, samples, prompts, picked)
-        return _Step(work, sampled)
-
-    @torch.inference_mode()
-    def _forward_and_sample(self, rows: list[BatchRow], samples: list[SampleRow], prompts: list[PromptChunk],
-                            sample_at: list[int] | None) -> _Drawn:
-        """The device work of a step and its read-back. sample_at: the logits rows the sample rows
-        take, when prompt chunks being scored asked for more."""
-        logits = self.runner.forward(rows)
-        scored = ScoredPrompts.compute(logits, prompts) if prompts else None
-        if sample_at is not None:
-            logits = logits[torch.tensor(sample_at, dtype=torch.long).to(logits.device, non_blocking=True)]
-        sampled = self.sampler.sample(logits, samples) if samples else None
-        wanted = self.sampler.last_logprobs if sampled is not None else None
-        if wanted is not None and sampled is not None:  # the tokens and their logprobs in one read-back
-            tokens, logprobs = wanted.read_back(sampled)
-        else:
-            tokens, logprobs = (sampled.tolist() if sampled is not None else []), {}
-        return _Drawn(tokens, logprobs, scored.to_host() if scored is not None else {})
+            work = self._executor.submit(batch.run, self.runner, self.sampler)
+        return _Step(work, batch)
 
     def _complete(self, schedule: SchedulerOutput, step: _Step, decided: set[int]) -> None:
-        """Wait for the step, verify drafts, append the tokens and update the scheduler. Jobs in
+        """Wait for the step, let each job take its tokens and update the scheduler. Jobs in
         decided (finished or rewound by text produced meanwhile) take nothing from this step."""
         drawn = step.work.result()
-        tokens, logprobs = drawn.tokens, drawn.logprobs
-        self._score_prompts(schedule, drawn.prompts)
-        failed: dict[int, str] = {}  # serial -> why: this job fails alone, its batch neighbours go on
-        accepted: dict[int, int] = {}
-        ended: list[Sequence] = []
-        for job in step.sampled:
-            sequence, first, draft = job.sequence, job.first, job.draft
-            serial = sequence.serial
-            if serial not in self._sequences or serial in decided:
-                continue
-            emitted = accept(draft, tokens[first : first + len(draft) + 1])
-            if emitted[-1] < 0:
-                failed[serial] = self._row_error(first + len(emitted) - 1)
-                continue
-            if draft:
-                accepted[serial] = len(emitted) - 1
-                self.counters.drafted_tokens += len(draft)
-                self.counters.accepted_draft_tokens += accepted[serial]
-                self.outputs.count_drafts(serial, len(draft), accepted[serial])
-                self.sampler.record(serial, emitted)
-            try:
-                kept, done, complete = append_tokens(sequence, self._sampling[serial], emitted)
-            except RuntimeError as error:  # a constraint refusing what was sampled: this job's fault alone
-                failed[serial] = str(error)
-                continue
-            self.counters.generated_tokens += len(kept)
-            kept_logprobs = [logprobs[r] for r in range(first, first + len(kept)) if r in logprobs] if logprobs else ()
-            self._appended.append(StepTokens(sequence, kept, kept_logprobs, complete))
-            if done:
-                ended.append(sequence)
-        self.scheduler.update_from_output(schedule, accepted, ended)
-        for sequence in ended:
+        self.outputs.score_prompts(drawn.prompts, schedule.scheduled)
+        taken = take_tokens(step.batch.sampled, drawn, self._sampling, decided, self.sampler)
+        self.counters.generated_tokens += taken.generated
+        for serial, kept in taken.accepted.items():
+            self.counters.drafted_tokens += taken.drafted[serial]
+            self.counters.accepted_draft_tokens += kept
+            self.outputs.count_drafts(serial, taken.drafted[serial], kept)
+        self._appended += taken.appended
+        self.scheduler.update_from_output(schedule, taken.accepted, taken.ended)
+        for sequence in taken.ended:
             self._release_rows(sequence.serial)
-        for serial, message in failed.items():
+        for serial, message in taken.failed.items():
             self._end_now(serial, FinishReason.ERROR, message)
-
-    def _score_prompts(self, schedule: SchedulerOutput, scored: dict[int, tuple[int, list[TokenLogprob]]]) -> None:
-        """Hand the prompt log-probabilities the step's prefill chunks scored to the output processor;
-        a prompt whose last chunk ran is scored whole (it is no longer kept from the prefix cache)."""
-        for serial, (first, entries) in scored.items():
-            self.outputs.score_prompt(serial, first, entries)
-        for item in schedule.scheduled:
-            if item.samples and item.sequence.scores_prompt:
-                item.sequence.prompt_scored = True
-
-    def _row_error(self, row: int) -> str:
-        try:
-            self.sampler.raise_for_row(row)
-        except ValueError as error:
-            return str(error)
-        raise AssertionError("raise_for_row() always raises")
 
     def _process_appended(self) -> ProcessedStep:
         appended, self._appended = self._appended, []
@@ -428,31 +330,25 @@ class Generator:
 
     def _apply(self, processed: ProcessedStep) -> None:
         """Apply the output processor's decisions: finished jobs leave (tokens after a stop string
-        are dropped), rewound jobs go back to where a banned string began, with that token banned."""
+        are dropped), failed ones end with their error, rewound jobs go back to where a banned
+        string began, with that token banned."""
         for finished in processed.finished:
             sequence = self._sequences.pop(finished.serial)
             self.counters.generated_tokens -= sequence.rewind(finished.keep)
             self.scheduler.remove(sequence)
             self._release_rows(finished.serial)
             del self._sampling[finished.serial]
+        for failed in processed.failed:
+            self._end_now(failed.serial, FinishReason.ERROR, failed.message)
         for rewind in processed.rewinds:
             rewound = self._sequences.get(rewind.serial)
             if rewound is None:
                 continue  # cancelled meanwhile
-            sequence = rewound
-            error = self.outputs.check_rewind(rewind.serial)
-            if error is not None:
-                self._end_now(rewind.serial, FinishReason.ERROR, error)
-                continue
-            state = self._sampling[rewind.serial]
-            token = sequence.output_ids[rewind.origin]
-            self.counters.generated_tokens -= sequence.rewind(rewind.origin)
-            bans = {position: ids for position, ids in state.banned_at.items() if position < rewind.origin}
-            bans[rewind.origin] = state.banned_at.get(rewind.origin, frozenset()) | {token}
-            state.banned_at = bans
-            self.outputs.rewind(sequence, rewind.origin)
+            self._sampling[rewind.serial].ban(rewind.origin, rewound.output_ids[rewind.origin])
+            self.counters.generated_tokens -= rewound.rewind(rewind.origin)
+            self.outputs.rewind(rewound, rewind.origin)
             self._release_rows(rewind.serial)
-            self.scheduler.requeue(sequence)
+            self.scheduler.requeue(rewound)
 
     def _end_now(self, serial: int, reason: FinishReason, error: str | None = None) -> bool:
         """End a job at once (cancelled, or failed inside a step) and free its pages; its final result

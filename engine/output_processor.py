@@ -2,8 +2,9 @@
 
 Like vLLM v1's OutputProcessor, it owns each job's text state and returns what it decided
 instead of acting on the generator: a job that finished (with its reason and how many of the
-step's tokens it keeps), a job to rewind (a banned string appeared), a job that failed. The
-step applies those decisions to the sequence, the sampler and the scheduler afterwards.
+step's tokens it keeps), a job to rewind (a banned string appeared), a job that failed (it
+rewound too often). The step applies those decisions to the sequence, the sampler and the
+scheduler afterwards.
 
 Stop tokens count as generated tokens (token_ids, new_tokens) but never appear in the text;
 stop strings never appear in the text either, and tokens after a stop string are dropped.
@@ -19,6 +20,7 @@ from engine.banned_strings import MAX_REWINDS, BannedStringGuard
 from engine.detokenizer import IncrementalDetokenizer
 from engine.job import Job
 from engine.outputs import EngineOutput, FinishReason, Stage, TokenLogprob
+from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.stops import StopStringMatcher
 from engine.tokenizer import Tokenizer
@@ -75,11 +77,25 @@ class Rewind:
     origin: int
 
 
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The job ends with an error (it kept producing a banned string, rewind after rewind)."""
+
+    serial: int
+    message: str
+
+
 @dataclass
 class ProcessedStep:
     outputs: list[EngineOutput] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
+    failed: list[Failed] = field(default_factory=list)
     rewinds: list[Rewind] = field(default_factory=list)
+
+    def decided(self) -> set[int]:
+        """The jobs these decisions end or take back: they keep nothing of a step run meanwhile."""
+        return ({f.serial for f in self.finished} | {f.serial for f in self.failed}
+                | {r.serial for r in self.rewinds})
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +146,18 @@ class OutputProcessor:
         state.accepted_draft_tokens += kept
         state.rejected_draft_tokens += drafted - kept
 
-    def score_prompt(self, serial: int, first: int, scored: Seq[TokenLogprob]) -> None:
-        """A prefill chunk's prompt log-probabilities: those of the prompt tokens from position
-        first on (a chunk computed again after a preemption rewrites the same values)."""
-        state = self.states.get(serial)
-        if state is not None and state.prompt_logprobs is not None:
-            state.prompt_logprobs[first : first + len(scored)] = scored
+    def score_prompts(self, scored: dict[int, tuple[int, list[TokenLogprob]]],
+                      scheduled: Seq[ScheduledSequence]) -> None:
+        """The prompt log-probabilities a step's prefill chunks scored (serial -> the position of
+        the first, entries; a chunk computed again after a preemption rewrites the same values);
+        a prompt whose last chunk ran is scored whole (it is no longer kept from the prefix cache)."""
+        for serial, (first, entries) in scored.items():
+            state = self.states.get(serial)
+            if state is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs[first : first + len(entries)] = entries
+        for item in scheduled:
+            if item.samples and item.sequence.scores_prompt:
+                item.sequence.prompt_scored = True
 
     def _detokenizer(self, job: Job, token_ids: Seq[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, [t for t in token_ids if t not in job.embedding_rows],
@@ -172,7 +194,12 @@ class OutputProcessor:
             if outcome is None:
                 continue
             if outcome.rewind_to is not None:
-                step.rewinds.append(Rewind(sequence.serial, outcome.rewind_to))
+                state.rewinds += 1
+                if state.rewinds > MAX_REWINDS:
+                    step.failed.append(Failed(sequence.serial, f"banned_strings: still producing one of "
+                                              f"{list(state.job.banned_strings)!r} after {MAX_REWINDS} rewinds"))
+                else:
+                    step.rewinds.append(Rewind(sequence.serial, outcome.rewind_to))
                 return self._rewinding(sequence, state, "".join(texts), tokens, before, outcome.rewind_to)
             assert outcome.reason is not None
             keep = before + i + 1
@@ -267,15 +294,6 @@ class OutputProcessor:
         if state.job.logprobs:
             result.logprobs = state.logprobs[before : before + len(kept)]
         return result
-
-    def check_rewind(self, serial: int) -> str | None:
-        """Count a rewind of the job; the error to fail it with if it rewound too often."""
-        state = self.states[serial]
-        state.rewinds += 1
-        if state.rewinds > MAX_REWINDS:
-            return (f"banned_strings: still producing one of {list(state.job.banned_strings)!r} after "
-                    f"{MAX_REWINDS} rewinds")
-        return None
 
     def rewind(self, sequence: Sequence, origin: int) -> None:
         """Take a job's text back to generated token `origin` (the sequence is already cut there)."""

@@ -27,6 +27,13 @@ class SamplingState:
     heal_mask: torch.Tensor | None = None
     mu_history: list[torch.Tensor] = field(default_factory=list)
 
+    def ban(self, origin: int, token: int) -> None:
+        """A banned-string rewind to generated token `origin`: `token` is banned there, and the bans
+        past it go (the text after it is regenerated). Replaces banned_at (see above)."""
+        bans = {position: ids for position, ids in self.banned_at.items() if position < origin}
+        bans[origin] = self.banned_at.get(origin, frozenset()) | {token}
+        self.banned_at = bans
+
 
 @dataclass(frozen=True, slots=True)
 class SampleRow:

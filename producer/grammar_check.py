@@ -1,15 +1,15 @@
 """Whether an llguidance grammar compiles and starts within llguidance's limits: the gateway's check
 of a request's constraint, run in its grammar-check processes (producer/gateway/constraints.py).
 
-This module imports only llguidance and the standard library, so a check process starts fast.
-The check is CPU work, much of it pure Python (llguidance converts GBNF to Lark in Python, in
-time quadratic in the rules: 2,000 rules take 11 s), so it cannot share the gateway's event loop,
-nor a thread of its process (the GIL). It is bounded in time by an interval timer (SIGALRM, in
-the check process's main thread, where ProcessPoolExecutor runs it) and in size by llguidance's
-max_grammar_size. llguidance's limits that only trip once a token is consumed (max_items_in_row,
-the lexer's expression fuel) are found by starting a matcher over a byte-level vocabulary,
-computing its first mask and consuming the first byte it allows: the model's tokenizer is the
-worker's, which checks again with it.
+This module imports only llguidance, grammar_limits and the standard library, so a check process
+starts fast. The check is CPU work, much of it pure Python (llguidance converts GBNF to Lark in
+Python, in time quadratic in the rules: 2,000 rules take 11 s), so it cannot share the gateway's
+event loop, nor a thread of its process (the GIL). It is bounded in time by an interval timer
+(SIGALRM, in the check process's main thread, where ProcessPoolExecutor runs it) and in size by
+llguidance's max_grammar_size. llguidance's limits that only trip once a token is consumed
+(max_items_in_row, the lexer's expression fuel) are found by starting a matcher over a byte-level
+vocabulary, computing its first mask and consuming the first byte it allows: the model's tokenizer
+is the worker's, which checks again with it.
 """
 
 from __future__ import annotations
@@ -19,19 +19,8 @@ from types import FrameType
 
 import llguidance
 
-MAX_ERROR_CHARS = 200
-"""A constraint's problem is one line of at most this many characters."""
-_LIMIT_MESSAGES = (
-    ("Current row has", "max_items_in_row"),
-    ("Too many items", "step_max_items"),
-    ("grammar size (number of symbols) too big", "max_grammar_size"),
-    ("initial lexer configuration (grammar) too big", "initial_lexer_fuel"),
-    ("lexer precomputation failed", "initial_lexer_fuel"),
-    ("too many expressions constructed", "initial_lexer_fuel"),
-    ("fuel exhausted", "step_lexer_fuel"),
-    ("derivatives with total fuel", "step_lexer_fuel"),
-)
-"""llguidance's message when a parser limit trips -> the LLParserLimits field that did."""
+from grammar_limits import limit_problem
+
 _EOS = 256
 
 
@@ -94,15 +83,3 @@ def _problem(syntax: str, text: str, tokenizer: llguidance.LLTokenizer, max_gram
         if not matcher.is_error() and not matcher.is_stopped():
             matcher.compute_bitmask()
     return limit_problem(matcher.get_error(), limits) if matcher.is_error() else None
-
-
-def limit_problem(error: str, limits: llguidance.LLParserLimits) -> str:
-    """llguidance's error as one line (no caret lines, no parser dump); a parser limit that
-    tripped is named with its value in `limits`."""
-    lines = [line.strip() for line in error.replace("<non-verbose/>", "").splitlines()]
-    line = "; ".join(line for line in lines if line and set(line) != {"^"})
-    for message, name in _LIMIT_MESSAGES:
-        if message in line:
-            line = f"over llguidance's {name} limit ({getattr(limits, name)}): {line}"
-            break
-    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."

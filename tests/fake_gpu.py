@@ -69,7 +69,7 @@ def load_fake_cuda_guard() -> None:
 @dataclass(frozen=True)
 class HostRead:
     """One read of device data by the host: the op, and the innermost engine/kernels function asking
-    ("engine/generator.py _forward_and_sample": no line number, so edits elsewhere in the file keep it)."""
+    ("engine/step_batch.py run": no line number, so edits elsewhere in the file keep it)."""
 
     op: str
     where: str

@@ -8,8 +8,9 @@ import json
 import os
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,22 +45,32 @@ def celery_client(redis_url: str) -> Celery:
 
 @contextmanager
 def running_worker(model_dir: Path, redis_url: str, celery_client: Celery, log_dir: Path, queue: str = QUEUE,
-                   name: str = "gateway-worker") -> Iterator[WorkerProcess]:
-    """A `genq worker` on `queue`, its engine up."""
-    process = WorkerProcess(model_dir, redis_url, queue, name, log_dir / "worker.log",
-                            {"cache_tokens": 16384, "page_size": 16, "concurrency": 16}).start()
-    try:
+                   name: str = "gateway-worker", **options: Any) -> Iterator[WorkerProcess]:
+    """A `genq worker` on `queue`, its engine up; options override its engine and Celery settings."""
+    with WorkerProcess(model_dir, redis_url, queue, name, log_dir / "worker.log",
+                       {"cache_tokens": 16384, "page_size": 16, "concurrency": 16, **options}) as process:
         process.wait_ready(celery_client)
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
-def worker(model_dir: Path, redis_url: str, celery_client: Celery,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    with running_worker(model_dir, redis_url, celery_client, tmp_path_factory.mktemp("gw-worker")) as process:
-        yield process
+def module_worker(model_dir: Path, redis_url: str, celery_client: Celery,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., WorkerProcess]]:
+    """start(queue, name, **options): a worker of the tiny model on a module's queue (running_worker),
+    stopped when the module's tests are done."""
+    with ExitStack() as workers:
+
+        def start(queue: str, name: str, **options: Any) -> WorkerProcess:
+            log_dir = tmp_path_factory.mktemp(name)
+            return workers.enter_context(running_worker(model_dir, redis_url, celery_client, log_dir, queue, name,
+                                                        **options))
+
+        yield start
+
+
+@pytest.fixture(scope="module")
+def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return module_worker(QUEUE, "gateway-worker")
 
 
 def service_env(redis_url: str) -> dict[str, str]:
@@ -113,14 +124,22 @@ class GatewayProcess(ChildProcess):
 
 
 @pytest.fixture(scope="module")
-def gateway_process(worker: WorkerProcess, redis_url: str,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    env = {**service_env(redis_url), "GENQ_GATEWAY_TOKEN": TOKEN, "GENQ_GATEWAY_MODEL_NAME": MODEL}
-    started = GatewayProcess(env, tmp_path_factory.mktemp("gateway") / "gateway.log").start()
-    try:
-        yield started
-    finally:
-        started.stop()
+def module_gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., GatewayProcess]]:
+    """start(queue, name, **env): `genq gateway` in front of a module's queue, with the tests' token and
+    model name (env: further GENQ_* variables), stopped when the module's tests are done."""
+    with ExitStack() as gateways:
+
+        def start(queue: str, name: str, **env: str) -> GatewayProcess:
+            variables = {**service_env(redis_url), "GENQ_QUEUE": queue, "GENQ_GATEWAY_TOKEN": TOKEN,
+                         "GENQ_GATEWAY_MODEL_NAME": MODEL, **env}
+            return gateways.enter_context(GatewayProcess(variables, tmp_path_factory.mktemp(name) / "gateway.log"))
+
+        yield start
+
+
+@pytest.fixture(scope="module")
+def gateway_process(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess]) -> GatewayProcess:
+    return module_gateway(QUEUE, "gateway")
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +186,19 @@ def read_sse(response: httpx.Response, limit: int | None = None) -> list[Sse]:
                 break
         fields = {}
     return messages
+
+
+def close_once_two_choices_stream(stream: Any) -> str:
+    """Read an OpenAI completions stream until choices 0 and 1 have each streamed two chunks of
+    text, then close it, as a client that goes away; the stream's id."""
+    seen: Counter[int] = Counter()
+    for chunk in stream:
+        for choice in chunk.choices:
+            seen[choice.index] += bool(choice.text)
+        if min(seen[0], seen[1]) >= 2:
+            break
+    stream.close()
+    return chunk.id
 
 
 def signed_post(base: str, body: dict[str, Any], *, timestamp: int | None = None,

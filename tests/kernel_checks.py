@@ -140,24 +140,41 @@ def _attention_case(
     seed: int,
     window: int | None = None,
     softcap: float | None = None,
+    kv_names: tuple[str, str] | None = None,
     **tiling: int,
 ) -> None:
+    """Triton vs reference paged attention over one batch; kv_names: the K and V cache formats
+    (_quantized_cache's names), else a cache of random values in dtype."""
     g = torch.Generator(DEVICE).manual_seed(seed)
     batch = len(q_lens)
     max_pages = max(-(-c // page_size) for c in ctx_lens) + 1  # one padding column
     num_pages = batch * max_pages + 3
-    k_cache = torch.randn(hkv, num_pages, page_size, d, generator=g).to(dtype)
-    v_cache = torch.randn(hkv, num_pages, page_size, d, generator=g).to(dtype)
+    formats = ""
+    if kv_names is None:
+        k_cache = torch.randn(hkv, num_pages, page_size, d, generator=g).to(dtype)
+        v_cache = torch.randn(hkv, num_pages, page_size, d, generator=g).to(dtype)
+        k_scales = v_scales = None
+    else:
+        (k_cache, k_scales), (v_cache, v_scales) = (
+            _quantized_cache(name, hkv, num_pages, page_size, d, g) for name in kv_names
+        )
+        # values of a realistic size (an outlier channel in K), written through the reference
+        slots = num_pages * page_size
+        k = torch.randn(slots, hkv, d, generator=g)
+        k[..., 3] *= 10
+        ref.write_kv(k, torch.randn(slots, hkv, d, generator=g), k_cache, v_cache, torch.arange(slots), k_scales,
+                     v_scales)
+        formats = f"K {kv_names[0]} V {kv_names[1]} "
     # scattered, non-monotonic physical pages; padding entries point at a valid page
     page_table = torch.randperm(num_pages, generator=g)[: batch * max_pages].view(batch, max_pages).int()
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), hkv * group, d, generator=g).to(dtype)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32)
-    scale = d**-0.5
-    want = ref.paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, softcap)
-    got = tk.paged_attention(q, k_cache, v_cache, page_table, cu, ctx, scale, window, softcap, **tiling)
+    args = (q, k_cache, v_cache, page_table, cu, ctx, d**-0.5, window, softcap, k_scales, v_scales)
+    want = ref.paged_attention(*args)
+    got = tk.paged_attention(*args, **tiling)
     close(
-        f"paged_attention q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} page={page_size} "
+        f"paged_attention {formats}q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} page={page_size} "
         f"window={window} softcap={softcap} {tiling} {dtype}",
         got, want, dtype,
     )
@@ -295,46 +312,6 @@ def check_kv_quant_write() -> None:
             print(f"{case}: exact")
 
 
-def _quant_attention_case(
-    kv_names: tuple[str, str],
-    q_lens: list[int],
-    ctx_lens: list[int],
-    hkv: int,
-    group: int,
-    d: int,
-    page_size: int,
-    dtype: torch.dtype,
-    seed: int,
-    window: int | None = None,
-    softcap: float | None = None,
-    **tiling: int,
-) -> None:
-    g = torch.Generator(DEVICE).manual_seed(seed)
-    batch = len(q_lens)
-    max_pages = max(-(-c // page_size) for c in ctx_lens) + 1
-    num_pages = batch * max_pages + 3
-    (k_cache, k_scales), (v_cache, v_scales) = (
-        _quantized_cache(name, hkv, num_pages, page_size, d, g) for name in kv_names
-    )
-    # values of a realistic size (an outlier channel in K), written through the reference
-    slots = num_pages * page_size
-    k = torch.randn(slots, hkv, d, generator=g)
-    k[..., 3] *= 10
-    ref.write_kv(k, torch.randn(slots, hkv, d, generator=g), k_cache, v_cache, torch.arange(slots), k_scales, v_scales)
-    page_table = torch.randperm(num_pages, generator=g)[: batch * max_pages].view(batch, max_pages).int()
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), hkv * group, d, generator=g).to(dtype)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
-    args = (q, k_cache, v_cache, page_table, cu, ctx, d**-0.5, window, softcap, k_scales, v_scales)
-    want = ref.paged_attention(*args)
-    got = tk.paged_attention(*args, **tiling)
-    close(
-        f"paged_attention K {kv_names[0]} V {kv_names[1]} q_lens={q_lens} ctx={ctx_lens} hkv={hkv} G={group} D={d} "
-        f"page={page_size} window={window} softcap={softcap} {tiling} {dtype}",
-        got, want, dtype,
-    )
-
-
 def check_kv_quant_attention() -> None:
     """Paged attention over fp8 / q8 / q4 caches and K and V in different formats
     (k8v4's q8 / q4; float keys with q4 values), Triton vs reference: split-K
@@ -342,17 +319,17 @@ def check_kv_quant_attention() -> None:
     for i, kv_names in enumerate(KV_PAIRS):
         seed = 40 + 10 * i
         if kv_names[0] == "auto":  # what differs is only which tiles are dequantized: one case
-            _quant_attention_case(kv_names, [3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
-                                  dtype=torch.float32, seed=seed)
+            _attention_case([3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
+                            dtype=torch.float32, seed=seed, kv_names=kv_names)
             continue
-        _quant_attention_case(kv_names, [1, 1, 1], [1, 9, 14], hkv=2, group=2, d=64, page_size=4,
-                              dtype=torch.float32, seed=seed, num_splits=2)
-        _quant_attention_case(kv_names, [3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
-                              dtype=torch.float32, seed=seed + 1)
-        _quant_attention_case(kv_names, [2, 1], [11, 5], hkv=2, group=2, d=64, page_size=4, dtype=torch.bfloat16,
-                              seed=seed + 2)
-        _quant_attention_case(kv_names, [4, 1], [10, 9], hkv=1, group=2, d=96, page_size=4, dtype=torch.float32,
-                              seed=seed + 3, window=5, softcap=2.0)
+        _attention_case([1, 1, 1], [1, 9, 14], hkv=2, group=2, d=64, page_size=4,
+                        dtype=torch.float32, seed=seed, num_splits=2, kv_names=kv_names)
+        _attention_case([3, 1, 18, 5], [7, 6, 22, 13], hkv=1, group=2, d=64, page_size=4,
+                        dtype=torch.float32, seed=seed + 1, kv_names=kv_names)
+        _attention_case([2, 1], [11, 5], hkv=2, group=2, d=64, page_size=4, dtype=torch.bfloat16,
+                        seed=seed + 2, kv_names=kv_names)
+        _attention_case([4, 1], [10, 9], hkv=1, group=2, d=96, page_size=4, dtype=torch.float32,
+                        seed=seed + 3, window=5, softcap=2.0, kv_names=kv_names)
     # the public functions with the Triton path forced hand the scales to the kernels
     import kernels
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import Constraint, EngineOutput, Generator, Job, JobRejected, SamplerSettings
+from engine import Constraint, EngineOutput, FinishReason, Generator, Job, JobRejected, SamplerSettings
 from engine.banned_strings import BannedStringGuard
 from tests.engine_runs import run_streamed
 
@@ -86,6 +86,23 @@ def test_a_banned_string_never_appears_and_the_text_before_it_is_kept(
     # the rewind left the prefix cache sound: the same job without the ban gives the same text again
     again, _, _ = greedy_text(generator, prompt, 40)
     assert again == free
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_job_that_rewinds_too_often_fails_alone_naming_its_banned_strings(
+    llama_dir: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The output processor returns a Failed decision instead of a further rewind, and the step
+    ends the job with that error."""
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=2048, page_size=8, overlap=overlap)
+    prompt = list(range(5, 30))
+    free, _, _ = greedy_text(generator, prompt, 40)
+    banned = banned_span(free)
+    monkeypatch.setattr("engine.output_processor.MAX_REWINDS", 0)
+    _, chunks, final = greedy_text(generator, prompt, 40, banned_strings=[banned])
+    assert final.eos_reason == FinishReason.ERROR
+    assert final.error == f"banned_strings: still producing one of {[banned]!r} after 0 rewinds"
+    assert banned not in "".join(chunks)
 
 
 def test_speculative_decoding_gives_the_same_text_under_a_ban(llama_dir: Path) -> None:

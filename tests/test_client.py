@@ -7,7 +7,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -23,7 +22,7 @@ from producer.client import (
     _Follower,
 )
 from producer.protocol import STREAM_FIELD, Choice, ProtocolError, StreamEvent, channel_name, stream_key
-from tests.service import chunk_text, plain_client
+from tests.service import chunk_text
 from worker.processes import WorkerProcess, wait_until
 
 QUEUE = "genq-client"
@@ -32,14 +31,8 @@ LONG = {"max_new_tokens": 400, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_factory: Callable[..., Path], redis_url: str, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[WorkerProcess]:
-    model = tiny_model_factory("llama", max_position_embeddings=1024)
-    process = WorkerProcess(model, redis_url, QUEUE, "client", tmp_path_factory.mktemp("client") / "worker.log",
-                            {"cache_tokens": 16384, "page_size": 16, "concurrency": 64})
-    process.start().wait_ready(plain_client(redis_url))
-    yield process
-    process.stop()
+def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return module_worker(QUEUE, "client", concurrency=64)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import tokenizers
 from producer.client import GenqClient
 from producer.gateway.openai_api import MAX_PROMPTS
 from producer.model_card import card_key
-from tests.gateway_service import MODEL, QUEUE, TOKEN, GatewayProcess, service_env
+from tests.gateway_service import MODEL, QUEUE, TOKEN, GatewayProcess, close_once_two_choices_stream, service_env
 from worker.processes import WorkerProcess
 
 PROMPTS = ["Once upon a time", "The weather today", "In a small village"]
@@ -100,14 +100,8 @@ def test_a_streamed_list_assembles_per_index_to_the_non_streamed_answer(oai: ope
 def test_closing_a_streamed_list_cancels_every_prompt_s_task(oai: openai.OpenAI, genq: GenqClient):
     stream = oai.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=900, temperature=0, stream=True,
                                     extra_body={"ignore_eos": True})
-    seen: Counter[int] = Counter()
-    for chunk in stream:
-        for choice in chunk.choices:
-            seen[choice.index] += bool(choice.text)
-        if min(seen[0], seen[1]) >= 2:
-            break
-    stream.close()
-    results = [genq.handle(f"{chunk.id}-{i}").result(timeout=60) for i in (0, 1)]
+    stream_id = close_once_two_choices_stream(stream)
+    results = [genq.handle(f"{stream_id}-{i}").result(timeout=60) for i in (0, 1)]
     assert all(r.finish_reason == "cancelled" and r.usage.completion_tokens < 900 for r in results)
 
 

@@ -7,15 +7,15 @@ one line naming it. No worker is needed: every request here is refused before it
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from producer.grammar_check import MAX_ERROR_CHARS
-from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, service_env
+from grammar_limits import MAX_ERROR_CHARS
+from tests.gateway_service import MODEL, GatewayProcess, bearer
 
 QUEUE = "genq-gateway-grammar"
 """No worker serves it: the one request this module queues stays out of other modules' way."""
@@ -26,15 +26,9 @@ PROMPT_LATENCY_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def gateway(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    env = {**service_env(redis_url), "GENQ_QUEUE": QUEUE, "GENQ_GATEWAY_TOKEN": TOKEN, "GENQ_GATEWAY_MODEL_NAME": MODEL,
-           "GENQ_GATEWAY_GRAMMAR_CHECK_TIMEOUT_S": str(CHECK_TIMEOUT_S), "GENQ_GATEWAY_GRAMMAR_CHECK_WORKERS": "2",
-           "GENQ_GATEWAY_GRAMMAR_MAX_SIZE": str(MAX_SIZE)}
-    process = GatewayProcess(env, tmp_path_factory.mktemp("gateway-grammar") / "gateway.log").start()
-    try:
-        yield process.url
-    finally:
-        process.stop()
+def gateway(module_gateway: Callable[..., GatewayProcess]) -> str:
+    return module_gateway(QUEUE, "gateway-grammar", GENQ_GATEWAY_GRAMMAR_CHECK_TIMEOUT_S=str(CHECK_TIMEOUT_S),
+                          GENQ_GATEWAY_GRAMMAR_CHECK_WORKERS="2", GENQ_GATEWAY_GRAMMAR_MAX_SIZE=str(MAX_SIZE)).url
 
 
 def slow_gbnf(variant: int, rules: int = 1500) -> str:

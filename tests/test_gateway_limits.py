@@ -22,7 +22,6 @@ import pytest
 import redis
 import redis.asyncio
 import tokenizers
-from celery import Celery
 from fastapi.testclient import TestClient
 
 from engine import Tokenizer
@@ -30,7 +29,7 @@ from producer.bounded_json import MAX_JSON_DEPTH, JsonLimitError, loads_bounded
 from producer.gateway import GatewaySettings, create_app
 from producer.gateway.model_limits import CardReader, PromptTokenizer
 from producer.model_card import CARD_TTL_S, WorkerCard, card_key, tokenizer_key
-from tests.gateway_service import MODEL, SECRET, TOKEN, GatewayProcess, bearer, read_sse, running_worker, service_env
+from tests.gateway_service import MODEL, SECRET, TOKEN, GatewayProcess, bearer, read_sse
 from worker.processes import WorkerProcess
 
 QUEUE = "genq-limits"
@@ -50,23 +49,14 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def worker(model_dir: Path, redis_url: str, celery_client: Celery,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
     """A worker of its own queue: another module's worker leaves no card entry to widen the limits."""
-    with running_worker(model_dir, redis_url, celery_client, tmp_path_factory.mktemp("limits-worker"), QUEUE,
-                        "limits-worker") as process:
-        yield process
+    return module_worker(QUEUE, "limits-worker")
 
 
 @pytest.fixture(scope="module")
-def gateway(worker: WorkerProcess, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    env = {**service_env(redis_url), "GENQ_QUEUE": QUEUE, "GENQ_GATEWAY_TOKEN": TOKEN,
-           "GENQ_GATEWAY_MODEL_NAME": MODEL}
-    started = GatewayProcess(env, tmp_path_factory.mktemp("limits-gateway") / "gateway.log").start()
-    try:
-        yield started.url
-    finally:
-        started.stop()
+def gateway(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess]) -> str:
+    return module_gateway(QUEUE, "limits-gateway").url
 
 
 @pytest.fixture(scope="module")

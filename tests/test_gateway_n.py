@@ -17,7 +17,7 @@ from celery import Celery
 from producer.client import GenqClient
 from producer.gateway.openai_api import MAX_N, CompletionUsage
 from producer.protocol import Usage
-from tests.gateway_service import MODEL, bearer
+from tests.gateway_service import MODEL, bearer, close_once_two_choices_stream
 from worker.processes import WorkerProcess, wait_until
 
 PROMPT = "Once upon a time"
@@ -114,14 +114,7 @@ def test_closing_an_n_stream_cancels_the_task_of_every_choice(oai: openai.OpenAI
                                                                worker: WorkerProcess, celery_client: Celery):
     stream = oai.completions.create(model=MODEL, prompt="A long story", max_tokens=900, temperature=0, n=2,
                                     stream=True, extra_body={"ignore_eos": True})
-    seen: Counter[int] = Counter()
-    for chunk in stream:
-        for choice in chunk.choices:
-            seen[choice.index] += bool(choice.text)
-        if min(seen[0], seen[1]) >= 2:
-            break
-    stream.close()
-    result = genq.handle(chunk.id).result(timeout=60)  # the one task of both choices
+    result = genq.handle(close_once_two_choices_stream(stream)).result(timeout=60)  # the one task of both choices
     assert result.finish_reason == "cancelled" and result.choices is not None
     assert [c.index for c in result.choices] == [0, 1]
     assert all(c.finish_reason == "cancelled" and len(c.token_ids or ()) < 900 for c in result.choices)

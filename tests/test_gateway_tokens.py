@@ -11,7 +11,7 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ import httpx
 import openai
 import pytest
 import redis
-from celery import Celery
 from fastapi.testclient import TestClient
 
 from chat_template import ChatTemplate
@@ -29,7 +28,7 @@ from producer.gateway import GatewaySettings, create_app
 from producer.model_card import CHAT_TEMPLATE_JSON, WorkerCard, card_key
 from producer.protocol import GenerationRequest
 from producer.tool_calls import template_messages
-from tests.gateway_service import MODEL, SECRET, TOKEN, GatewayProcess, bearer, running_worker, service_env
+from tests.gateway_service import MODEL, SECRET, TOKEN, GatewayProcess, bearer
 from tests.test_chat_template_tools import (  # noqa: F401 - tokenizer_pair is a fixture
     CHATML,
     FAMILIES,
@@ -113,11 +112,8 @@ def reference(model_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def worker(model_dir: Path, redis_url: str, celery_client: Celery,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    with running_worker(model_dir, redis_url, celery_client, tmp_path_factory.mktemp("tokens-worker"), QUEUE,
-                        "tokens-worker") as process:
-        yield process
+def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return module_worker(QUEUE, "tokens-worker")
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +123,8 @@ def card(worker: WorkerProcess, redis_client: redis.Redis) -> WorkerCard:
 
 
 @pytest.fixture(scope="module")
-def gateway(card: WorkerCard, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    env = {**service_env(redis_url), "GENQ_QUEUE": QUEUE, "GENQ_GATEWAY_TOKEN": TOKEN,
-           "GENQ_GATEWAY_MODEL_NAME": MODEL}
-    started = GatewayProcess(env, tmp_path_factory.mktemp("tokens-gateway") / "gateway.log").start()
-    try:
-        yield started.url
-    finally:
-        started.stop()
+def gateway(card: WorkerCard, module_gateway: Callable[..., GatewayProcess]) -> str:
+    return module_gateway(QUEUE, "tokens-gateway").url
 
 
 @pytest.fixture(scope="module")

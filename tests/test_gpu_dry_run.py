@@ -17,9 +17,10 @@ from engine.loading import default_cache_bytes
 from engine.memory_plan import cuda_cache_bytes
 from engine.model import CausalLM
 from engine.named_configs import NAMED_CONFIGS
-from engine.outputs import EngineOutput, FinishReason
+from engine.outputs import FinishReason
 from engine.tokenizer import Tokenizer
 from genq_dev.tiny_model import write_tokenizer_files
+from tests.engine_runs import run
 from tests.fake_gpu import fake_gpu, fake_model
 
 GiB = 2**30
@@ -46,15 +47,6 @@ def sized_cache(model: CausalLM, config: EngineConfig, device: DeviceInfo) -> KV
     pages = memory // per_token // config.cache.page_size
     return KVCache.allocate(model.config, pages, config.cache.page_size, model.embed_tokens.weight.dtype, CUDA,
                             config.cache.cache_dtype)
-
-
-def run_all(generator: Generator) -> dict[object, EngineOutput]:
-    finals: dict[object, EngineOutput] = {}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.eos:
-                finals[result.identifier] = result
-    return finals
 
 
 # Each model in each dtype once, the cache formats taken in turn.
@@ -112,8 +104,7 @@ def test_mixed_steps_with_a_constraint_logprobs_and_speculation(speculation: str
         generator = Generator(model, cache, tokenizer, config, draft, draft_cache)
         generator.warmup()
         jobs = mixed_jobs(token)
-        generator.enqueue(jobs)
-        finals = run_all(generator)
+        finals = run(generator, jobs)
     assert {name: (f.eos_reason, f.completion_ids) for name, f in finals.items()} == {
         j.identifier: (FinishReason.MAX_NEW_TOKENS, [token] * 3) for j in jobs}
     assert [len(entry.top) for entry in finals["logprobs"].completion_logprobs or []] == [3, 3, 3]

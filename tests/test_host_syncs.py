@@ -20,7 +20,7 @@ from engine.tokenizer import Tokenizer
 from genq_dev.tiny_model import write_tokenizer_files
 from tests.fake_gpu import fake_gpu, fake_model
 
-TOKENS = "engine/generator.py _forward_and_sample"  # the step's sampled tokens, read back once
+TOKENS = "engine/step_batch.py run"  # the step's sampled tokens, read back once
 # with log-probabilities wanted, the tokens come back packed with them instead, still one read
 TOKENS_AND_LOGPROBS = "engine/batch_sampler.py read_back"
 DRAFTS = "engine/spec_decode.py _with_model"  # a draft model's proposals, all positions in one read

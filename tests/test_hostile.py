@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,13 +23,8 @@ EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_factory: Callable[..., Path], redis_url: str, client: Celery,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    model = tiny_model_factory("llama", max_position_embeddings=1024)
-    with WorkerProcess(model, redis_url, QUEUE, "hostile", tmp_path_factory.mktemp("hostile") / "worker.log",
-                       {"cache_tokens": 8192, "page_size": 16, "concurrency": 16}) as process:
-        process.wait_ready(client)
-        yield process
+def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return module_worker(QUEUE, "hostile", cache_tokens=8192)
 
 
 @pytest.fixture()

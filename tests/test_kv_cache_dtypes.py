@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import kernels
-from engine import Generator, Job
+from engine import Generator
 from engine.cache import KVCache
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 from genq_dev.perplexity import TextScores, score_text
 from producer.protocol import TASK_NAME, GenerationResult
+from tests.engine_runs import greedy_completions as greedy
 from tests.service import plain_client
 from worker.processes import WorkerProcess
 
@@ -57,16 +58,6 @@ def test_perplexity_on_real_prose_stays_near_the_full_precision_cache(prose_scor
     ratio = quantized.perplexity / full.perplexity
     assert 1.0 - 0.005 < ratio <= TARGETS[cache_dtype], (cache_dtype, full.perplexity, quantized.perplexity)
     assert quantized.agreement(full) >= AGREEMENT[cache_dtype]
-
-
-def greedy(generator: Generator, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    generator.enqueue([Job(p, tokens, stop_conditions=[], identifier=i) for i, p in enumerate(prompts)])
-    out: dict[int, list[int]] = {}
-    while generator.num_remaining_jobs():
-        for result in generator.iterate():
-            if result.eos:
-                out[result.identifier] = list(result.completion_ids)
-    return [out[i] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED)

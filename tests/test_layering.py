@@ -2,10 +2,10 @@
 producer never imports engine, kernels, worker or torch; chat_template, the floor below engine
 and producer (both render chats with it), imports none of them, nor torch, celery or redis;
 image_input, the floor the gateway and the worker decode images with, imports none of ours (and
-the protocol, which the base install validates with, imports no Pillow). The
-development tools (genq_dev: tiny models, the demo-model fetcher, the perplexity scorer) sit on
-top of the engine, outside the service's packages: only the worker commands
-that make or fetch a model import them."""
+the protocol, which the base install validates with, imports no Pillow); grammar_limits, the
+floor both report llguidance's errors with, imports only llguidance. The development tools
+(genq_dev: tiny models, the demo-model fetcher, the perplexity scorer) sit on top of the engine,
+outside the service's packages: only the worker commands that make or fetch a model import them."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "chat_template": {"engine", "kernels", "worker", "producer", "torch", "triton", "celery", "redis"},
+    "grammar_limits": {"chat_template", "engine", "kernels", "worker", "producer", "torch", "triton", "celery",
+                       "redis"},
     "kernels": {"engine", "worker", "producer"},
     "engine": {"worker", "producer", "celery", "redis"},
     "producer": {"engine", "kernels", "worker", "torch", "triton"},
@@ -66,7 +68,8 @@ DEVTOOLS_USERS = {"worker/cli.py", "worker/dev.py"}
 """`genq make-tiny-model`, `genq demo` and `genq dev`: the commands that make or fetch a model."""
 
 
-@pytest.mark.parametrize("package", ["chat_template", "image_input", "engine", "kernels", "worker", "producer"])
+@pytest.mark.parametrize("package", ["chat_template", "image_input", "grammar_limits", "engine", "kernels", "worker",
+                                     "producer"])
 def test_the_service_never_imports_the_dev_tools(package: str):
     offenders = {
         str(path.relative_to(ROOT)): sorted(

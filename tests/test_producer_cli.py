@@ -7,28 +7,21 @@ import base64
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
 from producer.protocol import stream_key
-from tests.service import plain_client
 from worker.processes import ROOT, WorkerProcess, free_port, wait_until
 
 QUEUE = "genq-cli"
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_factory: Callable[..., Path], redis_url: str, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[WorkerProcess]:
-    model = tiny_model_factory("llama", max_position_embeddings=1024)
-    process = WorkerProcess(model, redis_url, QUEUE, "cli", tmp_path_factory.mktemp("cli") / "worker.log",
-                            {"cache_tokens": 16384, "page_size": 16, "concurrency": 16})
-    process.start().wait_ready(plain_client(redis_url))
-    yield process
-    process.stop()
+def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return module_worker(QUEUE, "cli")
 
 
 @pytest.fixture(scope="module")

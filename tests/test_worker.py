@@ -173,6 +173,20 @@ def test_cancel_before_start_and_mid_stream_frees_every_page(
     assert after is not None and after["pages_used"] == 0 and after["active_jobs"] == 0
 
 
+def start_generating(worker: WorkerProcess, client: Celery, name: str, jobs: int, tokens: int = 300) -> list[Any]:
+    """Send `jobs` jobs of `tokens` tokens to the worker's queue (identifiers name-0, name-1, ...) and
+    wait until it generates them all; their handles."""
+    handles = [send(client, worker.queue, prompt=f"{name} {i}", max_new_tokens=tokens, ignore_eos=True,
+                    identifier=f"{name}-{i}") for i in range(jobs)]
+
+    def all_generating() -> bool:
+        stats = worker.engine_stats(client)
+        return bool(stats) and stats["active_jobs"] == jobs and stats["generated_tokens"] >= 2 * jobs
+
+    wait_until(all_generating, 120, f"{jobs} jobs generating on {worker.node}")
+    return handles
+
+
 def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
     start_worker: Callable[..., WorkerProcess], client: Celery, redis_client: redis.Redis
 ):
@@ -180,14 +194,7 @@ def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
     # still-running tasks are redelivered again), yet keep the test short.
     queue = "genq-kill"
     first = start_worker(queue, visibility_timeout=20)
-    handles = [send(client, queue, prompt=f"story {i}", max_new_tokens=300, ignore_eos=True, identifier=f"kill-{i}")
-               for i in range(20)]
-
-    def all_generating() -> bool:
-        stats = first.engine_stats(client)
-        return bool(stats) and stats["active_jobs"] == 20 and stats["generated_tokens"] >= 40
-
-    wait_until(all_generating, 120, "20 jobs generating on the first worker")
+    handles = start_generating(first, client, "kill", 20)
     first.kill()
     start_worker(queue, visibility_timeout=20)
     for i, handle in enumerate(handles):
@@ -211,22 +218,12 @@ def test_flower_api_shows_the_engine_stats_of_a_running_worker(
     assert {"genq jobs", "genq throughput", "genq tokens", "genq requests"} <= engine.keys()
 
 
-def wait_generating(worker: WorkerProcess, client: Celery, jobs: int) -> None:
-    def generating() -> bool:
-        stats = worker.engine_stats(client)
-        return bool(stats) and stats["active_jobs"] == jobs and stats["generated_tokens"] >= 2 * jobs
-
-    wait_until(generating, 120, f"{jobs} jobs generating on {worker.node}")
-
-
 def test_warm_shutdown_finishes_in_flight_jobs_and_stops_consuming(
     start_worker: Callable[..., WorkerProcess], client: Celery, redis_client: redis.Redis
 ):
     queue = "genq-warm"
     first = start_worker(queue, shutdown_grace=120)
-    running = [send(client, queue, prompt=f"warm {i}", max_new_tokens=300, ignore_eos=True, identifier=f"warm-{i}")
-               for i in range(5)]
-    wait_generating(first, client, 5)
+    running = start_generating(first, client, "warm", 5)
     first.signal(signal.SIGTERM)
     later = send(client, queue, prompt="sent during shutdown", max_new_tokens=8, identifier="warm-later")
     assert first.wait(120) == 0
@@ -246,9 +243,7 @@ def test_warm_shutdown_past_its_grace_requeues_jobs_for_the_next_worker(
 ):
     queue = "genq-requeue"
     first = start_worker(queue, shutdown_grace=0)
-    handles = [send(client, queue, prompt=f"requeue {i}", max_new_tokens=600, ignore_eos=True,
-                    identifier=f"requeue-{i}") for i in range(5)]
-    wait_generating(first, client, 5)
+    handles = start_generating(first, client, "requeue", 5, tokens=600)
     first.signal(signal.SIGTERM)
     assert first.wait(120) == 0
     start_worker(queue)

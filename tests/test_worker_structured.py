@@ -6,7 +6,7 @@ compile fails its request naming it while the worker serves the others."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
@@ -26,13 +26,8 @@ SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "enum": [
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_factory: Callable[..., Path], redis_url: str, client: Celery,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    model = tiny_model_factory("llama", max_position_embeddings=1024)
-    with WorkerProcess(model, redis_url, QUEUE, "structured", tmp_path_factory.mktemp("structured") / "w.log",
-                       {"cache_tokens": 4096, "page_size": 16, "concurrency": 8}) as process:
-        process.wait_ready(client)
-        yield process
+def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return module_worker(QUEUE, "structured", cache_tokens=4096, concurrency=8)
 
 
 def send(client: Celery, identifier: str, **request: object) -> AsyncResult:
