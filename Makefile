@@ -26,7 +26,10 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 # The full chaos run (1,000 tasks, worker SIGKILLs, Redis kill -9 and restart, poison
-# messages); prints its figures. `make test` runs a smaller one.
+# messages), three times: once as is, once with eight Redis faults of each kind, and once
+# with the hostile phase (5% hostile-but-valid requests: samplers at their limits, big
+# results, slow and over-limit grammars; tests/chaos.py HOSTILE); prints its figures.
+# `make test` runs a smaller one, with the hostile mix.
 chaos: $(STAMP)
 	$(PY) -m pytest tests/test_chaos.py -m chaos -s
 

@@ -16,16 +16,20 @@ Sections (docs/gpu.md, "Accepting a GPU", says what each figure means):
   burst           --burst-tasks requests at once through a real `genq worker` (tiny model): throughput
                   and p50/p99 time to first token
 Without a CUDA device only dry_run runs; every other section is written as {"skipped": "no CUDA
-device", ...}: nothing is estimated. Exits 1 when a check (dry_run, parity, kernels, burst) fails.
+device", ...}: nothing is estimated. A section that raises is written as {"error": ..., "traceback": [...]}
+and the rest still run. Exits 1 when a check (dry_run, parity, kernels, burst) fails or raises.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -103,15 +107,31 @@ def dry_run(select: str | None) -> dict[str, Any]:
         command += ["-k", select]
     progress(f"dry run: pytest {' '.join(command[6:])}")
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    # pytest reports a conftest or plugin that fails to import on stderr only
+    summary = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["(no output)"])[-1]
     progress(f"dry run: {summary}")
     return {"passed": proc.returncode == 0, "tests": list(DRY_RUN_TESTS), "select": select, "summary": summary}
+
+
+def guarded(section: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The section's result, or the error it raised: a first run on a new card must still measure the
+    sections after one that fails. The result goes to the log too, so a run cut short keeps its figures."""
+    start = time.perf_counter()
+    try:
+        result = measure()
+    except Exception as error:
+        lines = traceback.format_exc().replace(f"{REPO_ROOT}/", "").splitlines()[-30:]
+        result = {"error": f"{type(error).__name__}: {error}", "traceback": lines}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what this process cached stays free for the next section (the burst's worker)
+    progress(f"{section}: done in {time.perf_counter() - start:.1f} s: {json.dumps(result, default=str)}")
+    return result
 
 
 def run_sections(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import gpu_sections as gs
 
-    sections: dict[str, Any] = {"dry_run": dry_run(args.dry_run_select)}
+    sections: dict[str, Any] = {"dry_run": guarded("dry_run", lambda: dry_run(args.dry_run_select))}
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda")
     name = torch.cuda.get_device_name() if on_gpu else ""
@@ -132,10 +152,15 @@ def run_sections(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             sections[section] = {"skipped": reason, "not_measured": NEEDS_DEVICE[section]}
             continue
         progress(f"{section}: {NEEDS_DEVICE[section]}")
-        sections[section] = measure()
+        sections[section] = guarded(section, measure)
     if on_gpu and bandwidth is None:
         progress(f"no peak bandwidth known for {name}: pass --peak-bandwidth for roofline fractions")
     return sections
+
+
+def _not_shown(section: dict[str, Any]) -> str:
+    """Why a section has no rows to plot: skipped, or the error it raised."""
+    return f"error ({section['error'][:80]})" if "error" in section else f"skipped ({section['skipped']})"
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -161,7 +186,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         left.set_yscale("log")
         left.legend()
     else:
-        left.text(0.5, 0.5, f"decode: skipped ({decode['skipped']})", ha="center", va="center")
+        left.text(0.5, 0.5, f"decode: {_not_shown(decode)}", ha="center", va="center")
     left.set(title="decode, Llama-3.1-8B shapes, bf16", xlabel="batch", ylabel="tokens/s")
     if "rows" in attention:
         labels = [f"{r['batch']}x{r['context']}" for r in attention["rows"]]
@@ -173,7 +198,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         right.set_xticks(list(xs), labels)
         right.legend()
     else:
-        right.text(0.5, 0.5, f"attention: skipped ({attention['skipped']})", ha="center", va="center")
+        right.text(0.5, 0.5, f"attention: {_not_shown(attention)}", ha="center", va="center")
     right.set(title="attention decode (batch x context)", ylabel="ms")
     fig.suptitle(f"genq GPU acceptance: {results['machine']['gpu'] or 'no GPU (dry run only)'}")
     fig.tight_layout()
@@ -186,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress("machine: " + (torch.cuda.get_device_name() if torch.cuda.is_available() else f"{NO_DEVICE} (CPU)"))
     with tempfile.TemporaryDirectory(prefix="genq-gpu-acceptance-") as tmp:
         sections = run_sections(args, Path(tmp))
-    failed = [name for name in CHECKS if sections[name].get("passed") is False]
+    failed = [name for name in CHECKS if sections[name].get("passed") is False or "error" in sections[name]]
     info = machine()
     # passed: every check that ran passed; on a machine without a GPU that is the dry run alone
     results = {"machine": info, "gpu_measured": info["gpu"] is not None, "passed": not failed, "failed": failed,

@@ -30,6 +30,22 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
+# Vision-language checkpoints whose language model the engine serves (their vision towers are
+# engine/vision/): wrapper architecture -> {text_config model_type: the text model's architecture}.
+VISION_LANGUAGE_ARCHITECTURES = {
+    "LlavaForConditionalGeneration": {
+        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"},
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+}
+# transformers' config-class defaults for the text_config keys released VLM configs leave out
+# (llava-1.5's text_config omits the Llama-7B shapes; Gemma 3's omits its vocabulary)
+_TEXT_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "gemma3_text": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6},
+}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GEMMA = ("gemma2", "gemma3")
@@ -108,6 +124,9 @@ class ModelConfig:
     router_weights_fp32: bool = False
     # per layer, whether its MLP is the sparse MoE block; () = every layer when num_experts > 0
     moe_layers: tuple[bool, ...] = ()
+    # the language model of this vision-language checkpoint (its architecture, e.g.
+    # "LlavaForConditionalGeneration"); its tensor names carry the wrapper's prefixes. None: a text model
+    vision_language: str | None = None
 
     @property
     def max_context_len(self) -> int:
@@ -138,6 +157,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        wrapped = language_model_config(raw)
+        if wrapped is not None:
+            wrapper, text = wrapped
+            return replace(cls.from_dict(text), vision_language=wrapper)
         architectures = raw.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in architectures if a in ARCHITECTURES), None)
         if family is None:
@@ -190,6 +213,33 @@ class ModelConfig:
             embed_scale=math.sqrt(hidden) if gemma else 1.0,
             **_moe_fields(raw, family, num_layers),
         )
+
+
+def language_model_config(raw: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(wrapper architecture, the text model's config.json) of a vision-language config; None for any
+    other. The text config inherits the checkpoint's dtype and word-embedding tying as transformers
+    resolves them (LLaVA ties when either level says so; Gemma 3's top level decides, default tied)."""
+    architectures = raw.get("architectures") or []
+    wrapper = next((a for a in architectures if a in VISION_LANGUAGE_ARCHITECTURES), None)
+    if wrapper is None:
+        return None
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{wrapper} config.json needs a text_config object")
+    llava = wrapper == "LlavaForConditionalGeneration"
+    model_type = text.get("model_type", "llama" if llava else "gemma3_text")
+    text_architectures = VISION_LANGUAGE_ARCHITECTURES[wrapper]
+    if model_type not in text_architectures:
+        raise UnsupportedArchitectureError(
+            f"{wrapper} with text_config model_type={model_type!r} is not supported "
+            f"(supported: {', '.join(text_architectures)})")
+    merged = {**_TEXT_CONFIG_DEFAULTS.get(model_type, {}), **text, "architectures": [text_architectures[model_type]]}
+    dtype = text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype")
+    if dtype:
+        merged["torch_dtype"] = dtype
+    tied = bool(raw.get("tie_word_embeddings", not llava))
+    merged["tie_word_embeddings"] = tied or (llava and bool(text.get("tie_word_embeddings", False)))
+    return wrapper, merged
 
 
 def _refuse_unsupported(raw: dict[str, Any], family: str) -> None:

@@ -44,6 +44,7 @@ from engine.errors import ModelLoadError
 from engine.gguf_file import GGUF_GROUP_SIZE, is_gguf, open_gguf
 from engine.model import CausalLM
 from engine.quantized_linear import QUANTIZE_FORMATS, QuantizedLinear, QuantizedWeight, quantize_linears
+from engine.vision.checkpoint import language_model_name
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,9 @@ def load_model(
         assert raw_config is not None, "a GGUF file's config comes from its metadata"
         assign_weights(model, gguf.hf_tensors(dtype, raw_config, progress, quantize), str(path))
     else:
-        assign_weights(model, safetensors_tensors(path, progress), str(path))
+        # a vision-language checkpoint: its language model's tensors, renamed; the vision tower's skipped
+        rename = language_model_name if config.vision_language else None
+        assign_weights(model, safetensors_tensors(path, progress, rename), str(path))
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.finalize()
@@ -156,14 +159,19 @@ def _quantize_layers(model: CausalLM, quantize: str, group_size: int | None, pat
 
 
 def safetensors_tensors(
-    path: Path, progress: Callable[[int, int], None] | None = None
+    path: Path,
+    progress: Callable[[int, int], None] | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of an HF directory's shards, one at a time."""
+    """(HF name, tensor) for every tensor of an HF directory's shards, one at a time; with `rename`, each
+    name as it maps it, and the tensors it maps to None are never read."""
     files = checkpoint_files(path)
     for file_number, file in enumerate(files, start=1):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                yield hf_name, f.get_tensor(hf_name)
+                name = hf_name if rename is None else rename(hf_name)
+                if name is not None:
+                    yield name, f.get_tensor(hf_name)
         if progress is not None:
             progress(file_number, len(files))
 

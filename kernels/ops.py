@@ -138,8 +138,8 @@ def _write_kv(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
+    k_scales: Tensor | None,
+    v_scales: Tensor | None,
 ) -> None:
     check_devices("write_kv", "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
                   k_scales=k_scales, v_scales=v_scales)
@@ -153,8 +153,8 @@ def _write_kv_fake(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
+    k_scales: Tensor | None,
+    v_scales: Tensor | None,
 ) -> None:
     check_devices("write_kv", "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
                   k_scales=k_scales, v_scales=v_scales)

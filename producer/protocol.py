@@ -788,15 +788,33 @@ def chained_payload(kwargs: Mapping[str, Any], parents: tuple[Any, ...]) -> Mapp
 
 def _parent_text(parent: Any) -> str:
     """A parent's result as text: a genq result's `text`, a string as it is, or a chord header's
-    (a group's) results in order, each so read, separated by a blank line."""
-    if isinstance(parent, list) and parent and not any(isinstance(item, list) for item in parent):
-        return "\n\n".join(_parent_text(item) for item in parent)
-    if isinstance(parent, str):
-        return parent
-    if isinstance(parent, Mapping) and isinstance(parent.get("text"), str):
-        return parent["text"]
-    raise ProtocolError([f"chain: the parent's result must be a genq result (an object with text), a string or an "
-                         f"array of those, got {_json_type(parent)}"])
+    (a group's) results in order, each so read, separated by a blank line. Celery flattens nested
+    groups in a chord header; a list inside the list (a chord's result among a header's, or your
+    task's list of lists) is refused, naming the item."""
+    if isinstance(parent, list) and parent:
+        texts = []
+        for index, item in enumerate(parent):
+            text = _one_text(item)
+            if text is None:
+                raise ProtocolError([f"chain: the parent's result[{index}] must be a genq result (an object with "
+                                     f"text) or a string (a group's results are joined one level deep), got "
+                                     f"{_json_type(item)}"])
+            texts.append(text)
+        return "\n\n".join(texts)
+    text = _one_text(parent)
+    if text is None:
+        got = "an empty array" if isinstance(parent, list) else _json_type(parent)
+        raise ProtocolError([f"chain: the parent's result must be a genq result (an object with text), a string or "
+                             f"an array of those, got {got}"])
+    return text
+
+
+def _one_text(result: Any) -> str | None:
+    if isinstance(result, str):
+        return result
+    if isinstance(result, Mapping) and isinstance(result.get("text"), str):
+        return str(result["text"])
+    return None
 
 
 def _is_int(value: object) -> bool:

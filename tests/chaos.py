@@ -3,9 +3,12 @@
 restarted gracefully, and poison messages are interleaved; then every task
 is checked for a result and every stream for exactly one final event. With
 `hostile_every`, hostile-but-valid requests (issue 23's kinds: extreme sampler
-values, 20 top log-probabilities, 16 samples, slow-to-compile constraints)
-are mixed in: each must end once, and every well-formed task must still
-finish with the tokens the engine gives its prompt in this process.
+values, 20 top log-probabilities, 16 samples, slow-to-compile constraints, a
+grammar over llguidance's limits, a regex cut by the compile budget) are
+mixed in: each must end once, as its kind must (HOSTILE: the sampler's and
+the big results succeed; a grammar past a limit fails with an error event
+naming the limit), and every well-formed task must still finish with the
+tokens the engine gives its prompt in this process.
 
 Used by tests/test_chaos.py (a small run in the default suite, the full one
 behind `make chaos`); `python -m tests.chaos` runs it by hand and prints the
@@ -50,6 +53,9 @@ class ChaosPlan:
     poison_every: int = 10
     hostile_every: int = 0
     """0 = none; 20 = one hostile request after every 20 well-formed ones (5%)."""
+    compile_timeout_s: float = 1.0
+    """The workers' grammar compile budget: below the 2 s the full `(a{1000}){1000}` takes to
+    start here (it then trips llguidance's initial_lexer_fuel), so that it is cut by the budget."""
     visibility_timeout_s: int = 30
     timeout_s: float = 600.0
     watchdog_after_s: float = 45.0
@@ -64,6 +70,7 @@ class ChaosFigures:
     duplicated_final_results: list[str] = field(default_factory=list)
     bad_streams: list[str] = field(default_factory=list)
     wrong_results: list[str] = field(default_factory=list)
+    wrong_hostile_outcomes: list[str] = field(default_factory=list)
     redelivered: int = 0
     watchdog_resends: int = 0
     worker_kills: int = 0
@@ -74,7 +81,8 @@ class ChaosFigures:
 
     def summary(self) -> dict[str, Any]:
         figures = asdict(self)
-        for name in ("lost", "duplicated_final_results", "bad_streams", "wrong_results", "unexpected_worker_exits"):
+        for name in ("lost", "duplicated_final_results", "bad_streams", "wrong_results", "wrong_hostile_outcomes",
+                     "unexpected_worker_exits"):
             figures[name] = len(figures[name])
         return figures
 
@@ -90,24 +98,67 @@ def _chain_grammar(rules: int) -> str:
     return "\n".join(["root ::= r0", *lines, f'r{rules} ::= "z"'])
 
 
-HOSTILE_REQUESTS: list[dict[str, Any]] = [
-    {"max_new_tokens": 16, "sampling": {
+def _wide_grammar(alternatives: int) -> str:
+    """A Lark grammar of one rule with `alternatives` alternatives: past 2,000, llguidance's
+    max_items_in_row limit trips on the first token (issue 23, item 5)."""
+    return "start: " + " | ".join(f'"a{i}"' for i in range(alternatives))
+
+
+COMPILE_BUDGET = "(compile_timeout_s)"
+"""How the worker's error names its compile budget; a constraint cut by it fails alone."""
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A valid request heavy on the sampler, the result size or constraint compilation, and how it
+    may end: `errors` empty, it succeeds; otherwise it fails, its final event's error naming one
+    of them (a limit)."""
+
+    request: dict[str, Any]
+    errors: tuple[str, ...] = ()
+    may_be_cut: bool = False
+    """Its constraint may also be cut by the workers' compile budget (the compile threads run at
+    a lower priority, so a loaded machine stretches a start of 0.1 s past it); it then fails
+    alone, naming the budget."""
+
+    def problem(self, status: str, error: str | None) -> str | None:
+        """Why a task of this kind that ended so ended wrongly, or None."""
+        if status == "SUCCESS" and not self.errors:
+            return None
+        if status == "FAILURE" and error is not None and "\n" not in error:
+            if any(name in error for name in self.errors) or (self.may_be_cut and COMPILE_BUDGET in error):
+                return None
+        return f"{status}: {error!r}"
+
+
+HOSTILE: list[Hostile] = [
+    Hostile({"max_new_tokens": 16, "sampling": {
         "temperature": protocol.MAX_TEMPERATURE, "dry_multiplier": protocol.MAX_DRY_MULTIPLIER,
         "dry_base": protocol.MAX_DRY_BASE, "dry_allowed_length": 1,
         "repetition_penalty": protocol.MAX_REPETITION_PENALTY, "frequency_penalty": protocol.MAX_ABS_PENALTY,
-        "presence_penalty": -protocol.MAX_ABS_PENALTY, "smoothing_factor": protocol.MAX_SMOOTHING_FACTOR}},
-    {"max_new_tokens": 16, "sampling": {"temperature": protocol.MIN_SAMPLED_TEMPERATURE, "mirostat": True,
-                                        "mirostat_tau": protocol.MAX_MIROSTAT_TAU,
-                                        "mirostat_eta": protocol.MAX_MIROSTAT_ETA,
-                                        "token_bias": {str(t): protocol.MAX_TOKEN_BIAS_VALUE for t in range(8)}}},
-    {"max_new_tokens": 64, "ignore_eos": True, "logprobs": True, "top_logprobs": protocol.MAX_TOP_LOGPROBS},
-    {"max_new_tokens": 32, "ignore_eos": True, "n": protocol.MAX_N, "sampling": {"temperature": 1.0}},
-    {"max_new_tokens": 8, "constraint": {"type": "regex", "pattern": "(a{40}){40}"}},
-    {"max_new_tokens": 8, "constraint": {"type": "json_schema", "json_schema": _wide_schema(1000)}},
-    {"max_new_tokens": 8, "constraint": {"type": "grammar", "syntax": "gbnf", "grammar": _chain_grammar(400)}},
+        "presence_penalty": -protocol.MAX_ABS_PENALTY, "smoothing_factor": protocol.MAX_SMOOTHING_FACTOR}}),
+    Hostile({"max_new_tokens": 16, "sampling": {"temperature": protocol.MIN_SAMPLED_TEMPERATURE, "mirostat": True,
+                                                "mirostat_tau": protocol.MAX_MIROSTAT_TAU,
+                                                "mirostat_eta": protocol.MAX_MIROSTAT_ETA,
+                                                "token_bias": {str(t): protocol.MAX_TOKEN_BIAS_VALUE
+                                                               for t in range(8)}}}),
+    Hostile({"max_new_tokens": 64, "ignore_eos": True, "logprobs": True, "top_logprobs": protocol.MAX_TOP_LOGPROBS}),
+    Hostile({"max_new_tokens": 32, "ignore_eos": True, "n": protocol.MAX_N, "sampling": {"temperature": 1.0}}),
+    Hostile({"max_new_tokens": 8, "constraint": {"type": "regex", "pattern": "(a{40}){40}"}}, may_be_cut=True),
+    Hostile({"max_new_tokens": 8, "constraint": {"type": "json_schema", "json_schema": _wide_schema(1000)}},
+            may_be_cut=True),
+    Hostile({"max_new_tokens": 8, "constraint": {"type": "grammar", "syntax": "gbnf",
+                                                 "grammar": _chain_grammar(400)}}, may_be_cut=True),
+    Hostile({"max_new_tokens": 8, "constraint": {"type": "grammar", "syntax": "lark", "grammar": _wide_grammar(3000)}},
+            errors=("constraint: lark: over llguidance's max_items_in_row limit (2000)",), may_be_cut=True),
+    # Cut by the compile budget; a worker that already started it (the start runs on after the
+    # cut) fails it at once with llguidance's own limit.
+    Hostile({"max_new_tokens": 8, "constraint": {"type": "regex", "pattern": "(a{1000}){1000}"}},
+            errors=(COMPILE_BUDGET, "constraint: regex: over llguidance's initial_lexer_fuel limit")),
 ]
-"""Valid requests that are heavy on the sampler, the result size or constraint compilation;
-each is checked valid against the protocol by tests/test_chaos.py."""
+"""Valid requests that are heavy on the sampler, the result size or constraint compilation, or
+past one of llguidance's limits, sent in this order, round and round; each is checked valid
+against the protocol by tests/test_chaos.py."""
 
 
 def poison_message(i: int) -> tuple[Any, dict[str, Any]]:
@@ -134,7 +185,8 @@ class Chaos:
         self._started += 1
         worker = WorkerProcess(self.model, self.redis.url, QUEUE, name, self.workdir / f"{name}.log",
                                {"visibility_timeout": self.plan.visibility_timeout_s, "concurrency": 32,
-                                "cache_tokens": 4096, "page_size": 16, "shutdown_grace": 0})
+                                "cache_tokens": 4096, "page_size": 16, "shutdown_grace": 0,
+                                "compile_timeout_s": self.plan.compile_timeout_s})
         self.workers.append(worker.start())
         return worker
 
@@ -196,7 +248,7 @@ class Chaos:
     def _send_hostile(self, client: Celery, watchdog: Watchdog) -> None:
         n = len(self.hostile_ids)
         identifier = f"hostile-{n}"
-        kwargs = {**HOSTILE_REQUESTS[n % len(HOSTILE_REQUESTS)], "prompt": f"hostile {n}", "identifier": identifier}
+        kwargs = {**HOSTILE[n % len(HOSTILE)].request, "prompt": f"hostile {n}", "identifier": identifier}
         client.send_task(TASK_NAME, kwargs=kwargs, task_id=identifier, queue=QUEUE)
         watchdog.track(identifier, kwargs, QUEUE)
         self.hostile_ids.append(identifier)
@@ -270,6 +322,12 @@ class Chaos:
                             [(e.attempt, e.seq, e.event) for e in events])
             if not _ends_in_one_final(events):
                 self.figures.bad_streams.append(identifier)
+            elif identifier in self.hostile_ids:
+                kind = HOSTILE[self.hostile_ids.index(identifier) % len(HOSTILE)]
+                problem = kind.problem(result["status"], events[-1].error)
+                if problem is not None:
+                    self.figures.wrong_hostile_outcomes.append(identifier)
+                    log.warning("chaos: %s ended wrongly for its kind: %s", identifier, problem)
             self.figures.redelivered += any(e.attempt > 1 for e in events)
 
 

@@ -148,7 +148,15 @@ def test_a_batch_with_20_alternatives_a_token_finishes_without_pausing_another_s
     results of 128 tokens with 20 alternatives each (21,504 logprobs). Built on the engine loop,
     as before, that paused the canary for 0.3 to 0.6 s here, in every round. This machine's
     other load alone pauses a stream now and then for over 100 ms, so the batch runs up to
-    five rounds and one must stay under the bound: a pause the worker causes shows in all."""
+    five rounds and one must stay under the bound: a pause the worker causes shows in all.
+
+    Known gap (issue 23): that proves only that the pause is not in every round. Measured
+    against a control (the same canary's longest gap in as long a window right after, streaming
+    alone), 7 of 9 rounds here paused 102 to 215 ms, 6 of them with controls of 20 to 55 ms;
+    step timestamps logged inside the worker showed the loop's own steps slowing to 68 to
+    140 ms with 6 to 11 ms of its CPU each and at most 22 ms waiting for a CPU, the rest asleep:
+    most likely waiting for the GIL while other threads serialize the 8 results. A
+    control-compared assertion fails until that is fixed, so this one stays."""
     pauses = []
     for _ in range(ROUNDS):
         pauses.append(longest_pause_while_a_batch_finishes(client, redis_client))

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain
+from celery import Celery, chain, chord
 from celery.exceptions import TaskRevokedError
 
 from producer.protocol import TASK_NAME, ProtocolError, channel_name
@@ -56,7 +56,8 @@ def userapp(redis_url: str, client: Celery, tmp_path_factory: pytest.TempPathFac
     (folder / "userapp.py").write_text(doc_blocks()[0])
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(folder), "REDIS_URL": redis_url, "GENQ_QUEUE": QUEUE}
     args = [sys.executable, "-m", "celery", "-A", "userapp", "worker", "--pool", "threads", "--concurrency", "4",
-            "--hostname", USER_NODE, "--without-mingle", "--without-gossip", "--loglevel", "INFO"]
+            "-Q", "celery,reports", "--hostname", USER_NODE, "--without-mingle", "--without-gossip",
+            "--loglevel", "INFO"]
     plain = ChildProcess("user worker", args, folder / "worker.log", env)
     sys.path.insert(0, str(folder))
     with pytest.MonkeyPatch.context() as env_patch:
@@ -79,22 +80,54 @@ def raw_meta(redis_client: redis.Redis, task_id: str) -> dict[str, Any]:
     return json.loads(redis_client.get(f"celery-task-meta-{task_id}"))
 
 
+def alone(userapp: ModuleType, **request: Any) -> str:
+    """The text of `request` sent on its own (greedy, genq's default: the same text every time)."""
+    return str(userapp.generate(**request).apply_async().get(timeout=60)["text"])
+
+
 def test_the_celery_section_of_the_protocol_doc_runs_against_a_real_worker(
     worker: WorkerProcess, userapp: ModuleType, client: Celery, redis_client: redis.Redis
 ):
     blocks = doc_blocks()
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     namespace: dict[str, Any] = {"__name__": "doc"}
     for block in blocks[1:]:
         exec(compile(block, str(DOC), "exec"), namespace)
-    assert namespace["story"]["finish_reason"] in ("stop", "length")
-    assert namespace["running"].state == "REVOKED"
-    assert replay(redis_client, namespace["long_id"])[-1].event == "cancelled"
-    assert isinstance(namespace["poem"].get(), dict) and isinstance(namespace["words"].get(), int)
-    assert len(namespace["answers"].get()) == 3
-    assert isinstance(namespace["summary"].get()["text"], str) and len(namespace["collected"].get()) == 3
-    assert isinstance(userapp.app.AsyncResult(namespace["counted_id"]).get(), int)
-    assert namespace["failing"].id in userapp.app.AsyncResult(namespace["report_id"]).get()
+    doc = namespace
+    assert doc["story"]["finish_reason"] in ("stop", "length")
+    assert doc["running"].state == "REVOKED"
+    assert replay(redis_client, doc["long_id"])[-1].event == "cancelled"
+    # Chains: the child is the same chat run standalone with the parent's text as the last turn.
+    parent_poem = doc["poem"].parent.get(timeout=60)["text"]
+    assert doc["poem"].get()["text"] == alone(
+        userapp, messages=[{"role": "system", "content": "Improve the poem you are given."},
+                           {"role": "user", "content": parent_poem}], max_new_tokens=24)
+    assert doc["words"].get() == len(doc["words"].parent.get()["text"].split())
+    assert doc["haiku"].parent.get() == "Write a haiku about the sea."
+    assert doc["haiku"].get()["text"] == alone(
+        userapp, messages=[doc["poet"], {"role": "user", "content": "Write a haiku about the sea."}],
+        max_new_tokens=24)
+    # A group: in order, each what the same request gives alone.
+    answers = doc["answers"].get()
+    assert [answer["id"] for answer in answers] == [result.id for result in doc["answers"].results]
+    assert [answer["text"] for answer in answers] == [alone(userapp, prompt=f"Question {i}:", max_new_tokens=8)
+                                                      for i in range(3)]
+    # A chord: the genq body got the header's texts joined as documented (in order, a blank line between).
+    facts = [alone(userapp, prompt=f"Fact {i}:", max_new_tokens=8) for i in range(3)]
+    assert doc["collected"].get() == facts
+    assert doc["summary"].get()["text"] == alone(userapp, prompt="Summarize:\n" + "\n\n".join(facts),
+                                                 max_new_tokens=16)
+    # Callbacks: link gets the result, link_error the failed task's id, whose error the report shows.
+    counted = userapp.app.AsyncResult(doc["counted_id"]).get(timeout=60)
+    assert isinstance(counted, int)
+    report = userapp.app.AsyncResult(doc["report_id"]).get(timeout=60)
+    assert report == f"{doc['failing'].id} failed: max_new_tokens: Input should be greater than or equal to 1, got 0"
+    # Routing: per-call queue, the user's tasks where their signature says or Celery's default queue.
+    assert doc["direct"].get()["text"] == alone(userapp, prompt="Once upon a time", max_new_tokens=8)
+    assert (doc["reported"].get(), doc["defaulted"].get()) == ("reports", "celery")
+    assert doc["router"]("genq.generate", (), {"prompt": "Once upon a time"}, {}) == {"queue": f"{QUEUE}.route3"}
+    assert doc["router"]("userapp.word_count", (), {}, {}) is None
+    assert redis_client.llen(QUEUE) == 0 and "NotRegistered" not in worker.log_path.read_text()
     stats = worker.engine_stats(client)
     assert stats is not None and stats["pages_used"] == 0 and stats["active_jobs"] == 0
 
@@ -259,3 +292,63 @@ def test_flower_shows_the_engine_stats_as_named_readable_lines(
     assert all(isinstance(value, str) for value in engine.values())
     assert "genq KV cache" in page and "pages in use" in page and "{&#39;active_jobs" not in page
     assert "'active_jobs'" not in page
+
+
+@pytest.mark.parametrize("continued", [False, True])
+def test_chain_as_assistant_appends_the_parents_text_as_the_assistants_turn(
+    worker: WorkerProcess, userapp: ModuleType, continued: bool
+):
+    """After the assistant's turn the model answers it (a new turn), or, with continue_final_message,
+    goes on with the parent's text: each the same chat standalone."""
+    system = {"role": "system", "content": "Be brief."}
+    options: dict[str, Any] = {"continue_final_message": True, "add_generation_prompt": False} if continued else {}
+    chained = chain(userapp.generate(prompt="Once upon a time", max_new_tokens=8),
+                    userapp.generate(messages=[system], chain_as="assistant", max_new_tokens=8, **options)
+                    ).apply_async()
+    parent_text = chained.parent.get(timeout=60)["text"]
+    assert chained.get(timeout=60)["text"] == alone(
+        userapp, messages=[system, {"role": "assistant", "content": parent_text}], max_new_tokens=8, **options)
+
+
+def test_an_immutable_child_runs_its_own_request_without_the_parents_result(
+    worker: WorkerProcess, userapp: ModuleType
+):
+    child = {"prompt": "Go on: ", "chain_as": "prompt_suffix", "max_new_tokens": 8}
+    chained = chain(userapp.generate(prompt="Once upon a time", max_new_tokens=8),
+                    userapp.generate(**child).set(immutable=True)).apply_async()
+    assert chained.parent.get(timeout=60)["text"]
+    result = chained.get(timeout=60)
+    alone_result = userapp.generate(**child).apply_async().get(timeout=60)
+    assert (result["text"], result["usage"]["prompt_tokens"]) == (alone_result["text"],
+                                                                 alone_result["usage"]["prompt_tokens"])
+
+
+def test_a_users_task_returning_a_string_is_a_genq_childs_parent(worker: WorkerProcess, userapp: ModuleType):
+    chained = chain(userapp.topic.s("the moon"),
+                    userapp.generate(prompt="Poem: ", chain_as="prompt_suffix", max_new_tokens=8)).apply_async()
+    assert chained.get(timeout=60)["text"] == alone(userapp, prompt="Poem: Write a haiku about the moon.",
+                                                    max_new_tokens=8)
+
+
+def test_a_parent_result_without_text_fails_the_child_naming_it_and_never_the_parent(
+    worker: WorkerProcess, userapp: ModuleType, redis_client: redis.Redis
+):
+    child = userapp.generate(prompt="Go on: ", chain_as="prompt_suffix", max_new_tokens=8)
+    counted = chain(userapp.generate(prompt="Once upon a time", max_new_tokens=8), userapp.word_count.s(),
+                    child.clone()).apply_async()
+    facts = [userapp.generate(prompt=f"Fact {i}:", max_new_tokens=4) for i in range(2)]
+    nested = chord([chord(facts, userapp.texts.s()), userapp.generate(prompt="More:", max_new_tokens=4)],
+                   child.clone()).apply_async()
+    for handle, problem in (
+        (counted, "chain: the parent's result must be a genq result (an object with text), a string or an array "
+                  "of those, got number "),
+        (nested, "chain: the parent's result[0] must be a genq result (an object with text) or a string (a "
+                 "group's results are joined one level deep), got array"),
+    ):
+        with pytest.raises(ProtocolError) as raised:
+            handle.get(timeout=60)
+        assert str(raised.value).startswith(problem)
+        assert raw_meta(redis_client, handle.id)["result"]["exc_type"] == "ProtocolError"
+        assert replay(redis_client, handle.id)[-1].event == "error"
+    assert counted.parent.state == "SUCCESS" and counted.parent.parent.state == "SUCCESS"
+    assert [result.state for result in nested.parent.results] == ["SUCCESS", "SUCCESS"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import re
 import subprocess
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 
 from producer import protocol as p
+from producer.gateway.settings import GatewaySettings
 from producer.protocol import (
     GenerationRequest,
     GenerationResult,
@@ -23,6 +26,7 @@ from producer.protocol import (
     TopLogprob,
     Usage,
 )
+from producer.settings import ClientSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "protocol.md"
@@ -518,6 +522,83 @@ def test_every_numeric_field_is_bounded_both_ways_and_listed_in_the_limits_table
 def _plain(value: float) -> str:
     """A limit as pydantic's messages write it."""
     return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# The gateway's own numeric settings and module constants that are not limits on what a client
+# may hold or send; every other one must be in the Gateway limits table.
+NOT_GATEWAY_LIMITS = {
+    "PORT": "where it listens",
+    "RETRY_AFTER_S": "the Retry-After of a 429 (the setting; tokens.py's for /tokenize)",
+    "KEEPALIVE_S": "an interval between SSE comments",
+    "CARD_REFRESH_S": "how often the model card is re-read",
+    "TASK_RECORD_TTL_S": "GENQ_RESULT_EXPIRES_S, the workers' result lifetime, shared with them",
+    "NONCE_BYTES": "the size of an access token's random part",
+    "CLIENT_CLOSED_REQUEST": "an HTTP status code",
+    "REDIS_RETRY_AFTER_S": "the Retry-After of a 503",
+    "TIMEOUT_GRACE_S": "slack past GRAMMAR_CHECK_TIMEOUT_S for the check process's own timer",
+    "OPENAI_DEFAULT_TEMPERATURE": "OpenAI's default, not a limit",
+    "COMPLETIONS_DEFAULT_MAX_TOKENS": "OpenAI's default max_tokens, not a limit",
+}
+GATEWAY_MODULES = ("producer/bounded_json.py", *sorted(
+    str(path.relative_to(ROOT)) for path in (ROOT / "producer" / "gateway").glob("*.py")))
+
+
+def _gateway_numbers() -> list[tuple[str, str | None, float]]:
+    """(name as the docs write it, the file of a module constant or None for a GENQ_GATEWAY_*
+    setting, default) of every number the gateway's own settings and modules define: the
+    fields GatewaySettings adds to the settings it shares with the workers, and each module's
+    upper-case constants bound to a number."""
+    numbers: list[tuple[str, str | None, float]] = []
+    for name, info in GatewaySettings.model_fields.items():
+        kinds = {kind for kind in typing.get_args(info.annotation) or (info.annotation,) if kind is not type(None)}
+        if name not in ClientSettings.model_fields and kinds and kinds <= {int, float}:
+            numbers.append((name.upper(), None, info.default))
+    for path in GATEWAY_MODULES:
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        for node in ast.parse((ROOT / path).read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id.isupper():
+                    value = getattr(module, target.id)
+                    if isinstance(value, int | float) and not isinstance(value, bool):
+                        numbers.append((target.id, path, value))
+    return numbers
+
+
+def _gateway_limit_rows() -> list[list[str]]:
+    text = DOC.read_text()
+    section = text[text.index("### Gateway limits"):]
+    section = section[:section.index("\n### ", 1)]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| ") and not line.startswith("| limit |")]
+
+
+def _default(name: str, value: float) -> str:
+    """A default as the Gateway limits table writes it: 1,024; 4 MiB; 600 s."""
+    if name.endswith("_BYTES") and value % 2**20 == 0:
+        return f"{value // 2**20} MiB"
+    return _number(value) + (" s" if name.endswith("_S") else "")
+
+
+@pytest.mark.parametrize(("name", "path", "default"), _gateway_numbers(), ids=[n for n, _, _ in _gateway_numbers()])
+def test_every_numeric_gateway_limit_is_listed_in_the_gateway_limits_table_with_its_default(
+        name: str, path: str | None, default: float):
+    if name in NOT_GATEWAY_LIMITS:
+        return
+    label = f"`{name}`" + (f" ({path})" if path else "")
+    rows = [row for row in _gateway_limit_rows() if row[0].endswith(label)]
+    assert len(rows) == 1, f"no row of docs/protocol.md's Gateway limits ends with {label}"
+    documented, expected = rows[0][1], _default(name, default)
+    assert documented == expected or documented.startswith(expected + " "), (name, documented, expected)
+
+
+def test_the_gateway_limits_table_names_nothing_the_gateway_does_not_define():
+    names = {(name, path) for name, path, _ in _gateway_numbers()}
+    assert set(NOT_GATEWAY_LIMITS) <= {name for name, _ in names}
+    for row in _gateway_limit_rows():
+        label = re.search(r"`([A-Z0-9_]+)`(?: \(([\w/.]+)\))?$", row[0])
+        assert label is not None and (label[1], label[2]) in names, row[0]
 
 
 # --- constraints as grammars -------------------------------------------------------------------------

@@ -108,17 +108,26 @@ def test_the_gateway_and_the_client_carry_on_through_a_redis_crash_and_a_gracefu
     worker.check_alive()
 
 
-def test_a_task_whose_result_is_stored_is_not_run_again(worker: WorkerProcess, server: RedisServer):
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeded", "failed"])
+def test_a_task_whose_result_is_stored_is_not_run_again(worker: WorkerProcess, server: RedisServer, fails: bool):
+    """Celery keeps a stored SUCCESS from being overwritten, not a FAILURE: a failed task
+    delivered again (as when its acknowledgement is lost to a Redis restart) must not run again
+    and publish a second final event either (the chaos run's hostile mix found it)."""
     client = plain_client(server.url)
-    kwargs = {"prompt": "only once", "max_new_tokens": 8, "identifier": "once"}
-    first = client.send_task(TASK_NAME, kwargs=kwargs, task_id="once", queue=QUEUE).get(timeout=60)
-    client.send_task(TASK_NAME, kwargs=kwargs, task_id="once", queue=QUEUE)
-    wait_until(lambda: "task once delivered again after its result was stored" in worker.log_path.read_text(), 60,
-               "the worker to skip the second delivery")
+    identifier = "failed-once" if fails else "once"
+    # 30,000 tokens are valid in the protocol and past the model's context: the worker refuses it.
+    kwargs = {"prompt": "only once", "max_new_tokens": 30_000 if fails else 8, "identifier": identifier}
+    first = client.send_task(TASK_NAME, kwargs=kwargs, task_id=identifier, queue=QUEUE)
+    first.get(timeout=60, propagate=False)
+    assert first.state == (states.FAILURE if fails else states.SUCCESS)
+    client.send_task(TASK_NAME, kwargs=kwargs, task_id=identifier, queue=QUEUE)
+    wait_until(lambda: f"task {identifier} delivered again after its result was stored" in
+               worker.log_path.read_text(), 60, "the worker to skip the second delivery")
     check = redis.Redis.from_url(server.url)
-    events = replay(check, "once")
-    assert [e.attempt for e in finals(events)] == [first["attempt"]] == [1]
-    assert check.get("genq:attempt:once") == b"1"
+    events = replay(check, identifier)
+    assert [(e.attempt, e.event) for e in finals(events)] == [(1, "error" if fails else "done")]
+    assert check.get(f"genq:attempt:{identifier}") == b"1"
+    assert client.AsyncResult(identifier).state == first.state
 
 
 def test_the_watchdog_resends_lost_and_abandoned_requests_and_leaves_running_ones_alone(

@@ -40,7 +40,7 @@ class EngineStep(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         try:
-            self.runtime = Runtime.start(parent.app.genq_settings, parent.app.backend, parent.hostname)
+            self.runtime = Runtime.start(parent.app.genq_settings, parent.hostname)
         except (ModelLoadError, FileNotFoundError) as error:
             # The operator's to fix (a bad path or file): one line that says what, not Celery's
             # "Unrecoverable error" traceback. SystemExit makes Celery stop with this status.

@@ -21,7 +21,7 @@ from celery import Task, states
 
 from producer.protocol import IDENTIFIER_RE, TASK_NAME, ProtocolError, validate_task_id
 from worker import runtime as runtime_module
-from worker.redelivery import LEASE_S, with_redis_retries
+from worker.redelivery import LEASE_S, finished, with_redis_retries
 
 ENGINE_READY_TIMEOUT_S = 600.0
 log = logging.getLogger(__name__)
@@ -80,6 +80,12 @@ def decide(task: Task, kwargs: dict[str, Any]) -> Decision:
         # FAILURE under that very key); a valid identifier's stream gets the error.
         log.error("refused a %s task: %s", TASK_NAME, error)
         return Ignore(str(error), report_to=identifier if identifier != task_id else None)
+    # Looked up before STARTED is stored over it: Celery keeps a stored SUCCESS from being
+    # overwritten, not a FAILURE, so a failed task delivered again (its acknowledgement lost to
+    # a Redis restart) would look unfinished and run again, with a second final event.
+    if finished(task.backend, task_id):
+        log.warning("task %s delivered again after its result was stored; not running it again", task_id)
+        return Ignore("already finished")
     task.update_state(state=states.STARTED, meta={"pid": os.getpid(), "hostname": task.request.hostname})
     runtime = runtime_module.current(timeout=ENGINE_READY_TIMEOUT_S)
     if runtime.loop.is_running(identifier, task_id):
@@ -87,9 +93,6 @@ def decide(task: Task, kwargs: dict[str, Any]) -> Decision:
         # running attempt's result stands.
         log.warning("request %r redelivered while still generating here; ignoring the duplicate", identifier)
         return Ignore("duplicate of a running task")
-    if runtime.redeliveries.finished(task_id):
-        log.warning("task %s delivered again after its result was stored; not running it again", task_id)
-        return Ignore("already finished")
     published = with_redis_retries(lambda: runtime.publisher.final_result(task_id), "final result")
     if published is not None:
         log.warning("task %s delivered again after its final event; answering with that result", task_id)

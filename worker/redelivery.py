@@ -62,15 +62,16 @@ def _decoded(reply: bytes | str) -> str:
     return reply.decode()
 
 
-class Redeliveries:
-    def __init__(self, client: redis.Redis, backend: Backend, key_prefix: str) -> None:
-        self.client = client
-        self.backend = backend
-        self.key_prefix = key_prefix
+def finished(backend: Backend, task_id: str) -> bool:
+    """Whether the task's result (a SUCCESS, a FAILURE, ...) is stored."""
+    meta = with_redis_retries(lambda: backend.get_task_meta(task_id, cache=False), "result lookup")
+    return meta.get("status") in states.READY_STATES
 
-    def finished(self, task_id: str) -> bool:
-        meta = with_redis_retries(lambda: self.backend.get_task_meta(task_id, cache=False), "result lookup")
-        return meta.get("status") in states.READY_STATES
+
+class Redeliveries:
+    def __init__(self, client: redis.Redis, key_prefix: str) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
 
     def take_lease(self, identifier: str, task_id: str) -> str | None:
         """None when this task now holds the lease, else the task id holding it."""

@@ -14,7 +14,6 @@ from typing import Any
 
 import redis
 from celery import Task
-from celery.backends.base import Backend
 from celery.signals import task_success
 
 from engine import Generator
@@ -42,7 +41,7 @@ class Runtime:
     card: CardPublisher
 
     @classmethod
-    def start(cls, settings: Settings, backend: Backend, node: str) -> Runtime:
+    def start(cls, settings: Settings, node: str) -> Runtime:
         """Load the model, start the engine loop and the control listener, then publish the
         model card under the worker's node name."""
         if not settings.model:
@@ -73,7 +72,7 @@ class Runtime:
             metrics.watch(loop.stats)
             metrics.serve(settings.metrics_port, settings.metrics_address)
             log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, settings.metrics_port)
-        redeliveries = Redeliveries(client, backend, settings.key_prefix)
+        redeliveries = Redeliveries(client, settings.key_prefix)
         card = CardPublisher(client, settings.key_prefix, settings.queue, node, *describe(generator, settings.model))
         card.heartbeat()
         control = ControlListener(client, settings.key_prefix, loop, redeliveries, card)

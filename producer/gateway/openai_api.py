@@ -4,8 +4,10 @@ Requests accept what OpenAI clients send. Every OpenAI parameter is either suppo
 and ignored for a stated reason (IGNORED_PARAMS: it cannot change the output genq gives), or
 refused with a 400 that names it (suffix, best_of > 1, audio, web search). A
 parameter nobody defines is refused too, as OpenAI does, so a misspelt `max_token` is a 400 and
-not a silent default; a deployment whose clients send vendor extras sets
-GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS (ignored, with a log line). The values themselves are checked
+not a silent default, and so is a key nobody defines inside the request's objects, named by its
+dotted path (`stream_options.include_usages`; JSON Schemas are free-form and not looked into);
+a deployment whose clients send vendor extras sets GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS (ignored,
+with a log line). The values themselves are checked
 by GenerationRequest, so the limits are the protocol's. `n` (1 to MAX_N) is the protocol's `n`: one task whose worker
 generates n samples side by side on the prompt computed once (seeds seed + i, or each its own
 random seed); the response has one choice per sample, by its index, and the usage counts the
@@ -43,7 +45,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     AliasChoices,
@@ -168,17 +170,82 @@ class UnknownParameter(UnsupportedParameter):
     code = "unknown_parameter"
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Nested(BaseModel):
+    """A request object inside the request. The keys it does not define are kept aside
+    (model_extra), never used: unknown_keys names them, but for the ones in ACCEPTED, which OpenAI
+    or vLLM define and genq accepts and ignores."""
+
+    model_config = ConfigDict(extra="allow")
+    ACCEPTED: ClassVar[frozenset[str]] = frozenset()
+
+    def unknown_keys(self, path: str) -> list[str]:
+        return [f"{path}.{key_name(key)}" for key in self.model_extra or {} if key not in self.ACCEPTED]
 
 
-class StreamOptionsParam(_Lenient):
+def key_name(key: str) -> str:
+    """A key as a refusal can show it (as the protocol's field names): a hostile one (a lone
+    surrogate cannot be encoded as UTF-8) escaped, a long one cut."""
+    if not key.isprintable():
+        key = ascii(key)[1:-1]
+    return key if len(key) <= 40 else key[:37] + "..."
+
+
+Shape = Mapping[str, "Shape | None"]
+"""The keys a request object given as a plain dict may hold, each with the Shape of its value, or
+None for a value not looked into (a scalar, or free-form: a JSON Schema)."""
+FUNCTION_SHAPE: Shape = {"name": None, "description": None, "parameters": None, "strict": None}
+"""A tool's function, and a legacy `functions` entry (which becomes one)."""
+TOOL_SHAPE: Shape = {"type": None, "function": FUNCTION_SHAPE}
+NAMED_TOOL_CHOICE_SHAPE: Shape = {"type": None, "function": {"name": None}}
+TEXT_PART_SHAPE: Shape = {"type": None, "text": None, "prompt_cache_breakpoint": None}
+"""prompt_cache_breakpoint: a prompt-caching hint; genq's prefix cache needs none."""
+RESPONSE_FORMAT_SHAPES: dict[str, Shape] = {
+    "text": {"type": None},
+    "json_object": {"type": None, "schema": None},  # schema: llama.cpp's and Together's form
+    "json_schema": {"type": None, "json_schema": {"name": None, "description": None, "schema": None, "strict": None}},
+}
+
+
+def unknown_keys(value: Any, shape: Shape, path: str) -> list[str]:
+    """The dotted paths of the keys of `value` that `shape` does not name, looking into the values
+    whose shape it gives; a value that is not an object is left to the checks of its own."""
+    if not isinstance(value, Mapping):
+        return []
+    found = []
+    for key, item in value.items():
+        if key not in shape:
+            found.append(f"{path}.{key_name(key)}")
+        elif (inner := shape[key]) is not None:
+            found += unknown_keys(item, inner, f"{path}.{key}")
+    return found
+
+
+def known_only(value: Any, shape: Shape) -> Any:
+    """`value` without the keys `shape` does not name (those unknown_keys named, ignored under
+    GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS), so that the protocol's closed models take it."""
+    if not isinstance(value, Mapping):
+        return value
+    kept = {}
+    for key, item in value.items():
+        if key in shape:
+            inner = shape[key]
+            kept[key] = item if inner is None else known_only(item, inner)
+    return kept
+
+
+class StreamOptionsParam(_Nested):
+    ACCEPTED = frozenset({"include_obfuscation"})
+    """OpenAI's padding of streamed chunks against length side channels; genq adds none."""
+
     include_usage: bool = False
 
 
-class StructuredOutputsParam(_Lenient):
+class StructuredOutputsParam(_Nested):
     """vLLM's structured_outputs object: one of json, regex, choice, grammar or json_object.
-    Its whitespace and fallback options tune vLLM's own backends and are ignored."""
+    Its whitespace and fallback options tune vLLM's own backends and are ignored (genq's JSON
+    has no whitespace between tokens)."""
+
+    ACCEPTED = frozenset({"disable_fallback", "disable_any_whitespace", "whitespace_pattern"})
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -260,12 +327,23 @@ class _CommonParams(BaseModel):
         if extras.get("modalities") not in (None, ["text"]):
             raise UnsupportedParameter("modalities", f'only ["text"] is supported, got {extras["modalities"]!r}')
         unknown = sorted(set(extras) - IGNORED_PARAMS.keys() - REFUSED_PARAMS.keys() - {"modalities"})
+        unknown += self._unknown_nested_keys()
         if unknown and ignore_unknown:
             log.info("ignoring unknown parameters: %s", ", ".join(unknown))
         elif unknown:
             raise UnknownParameter(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
                                                f"{', '.join(repr(name) for name in unknown)} (neither OpenAI's nor a "
                                                "genq extension; docs/gateway.md lists them)")
+
+    def _unknown_nested_keys(self) -> list[str]:
+        """The keys inside the request's objects that nobody defines, by their dotted paths
+        ("stream_options.include_usages"); JSON Schemas and other free-form values are not looked into."""
+        found = []
+        if self.stream_options is not None:
+            found += self.stream_options.unknown_keys("stream_options")
+        if self.structured_outputs is not None:
+            found += self.structured_outputs.unknown_keys("structured_outputs")
+        return found
 
     def param_names(self) -> dict[str, str]:
         """The names this request gave the protocol fields a refusal may name: OPENAI_NAMES, with
@@ -395,22 +473,40 @@ class CompletionRequest(_CommonParams):
         return fields
 
 
-class TextPart(_Lenient):
+class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessageParam(_Lenient):
+class ChatMessageParam(_Nested):
+    """A message of `messages`. ACCEPTED: what a response's message has besides (a client may send
+    the answer back as it got it): OpenAI's refusal, audio and annotations, genq's (vLLM's)
+    reasoning_content; the templates render none of them. A legacy function_call in the history
+    is accepted when null."""
+
+    ACCEPTED = frozenset({"refusal", "audio", "annotations", "reasoning_content", "function_call"})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
+    def unknown_keys(self, path: str) -> list[str]:
+        """The message's unknown keys, and those of its text parts."""
+        found = super().unknown_keys(path)
+        for index, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.get("type") == "text":
+                found += unknown_keys(part, TEXT_PART_SHAPE, f"{path}.content[{index}]")
+        return found
+
     def fields(self, index: int) -> dict[str, Any]:
         """The protocol's ChatMessage fields of this message. OpenAI's "developer" role is its
         newer name for the system prompt; a tool call's arguments given as an object (some
         clients send one) become its JSON text."""
+        if (self.model_extra or {}).get("function_call") is not None:
+            raise UnsupportedParameter(f"messages[{index}].function_call", "a legacy function call in the history "
+                                       "is not supported; send it as tool_calls (and its answer as a tool message)")
         fields: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                   "content": self.text(index)}
         if self.tool_calls:
@@ -456,6 +552,24 @@ class ChatCompletionRequest(_CommonParams):
     continue_final_message: bool | None = Field(
         default=None, description="vLLM extension: continue the last (assistant) message instead of answering it")
 
+    def _unknown_nested_keys(self) -> list[str]:
+        found = super()._unknown_nested_keys()
+        for index, message in enumerate(self.messages):
+            found += message.unknown_keys(f"messages[{index}]")
+        kind = self.response_format.get("type") if self.response_format is not None else None
+        if isinstance(kind, str) and kind in RESPONSE_FORMAT_SHAPES:
+            found += unknown_keys(self.response_format, RESPONSE_FORMAT_SHAPES[kind], "response_format")
+        for index, tool in enumerate(self.tools or ()):
+            if tool.get("type", "function") == "function":  # the protocol refuses the other kinds by type
+                found += unknown_keys(tool, TOOL_SHAPE, f"tools[{index}]")
+        for index, function in enumerate(self.functions or ()):
+            found += unknown_keys(function, FUNCTION_SHAPE, f"functions[{index}]")
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function":
+            found += unknown_keys(self.tool_choice, NAMED_TOOL_CHOICE_SHAPE, "tool_choice")
+        if isinstance(self.function_call, dict):
+            found += unknown_keys(self.function_call, {"name": None}, "function_call")
+        return found
+
     def param_names(self) -> dict[str, str]:
         names = super().param_names()
         if self.max_completion_tokens is not None:
@@ -494,18 +608,27 @@ class ChatCompletionRequest(_CommonParams):
 
     def _tool_fields(self) -> dict[str, Any]:
         """tools, tool_choice and parallel_tool_calls, from the legacy functions and function_call
-        where those are given instead (the values are the protocol's to check)."""
+        where those are given instead (the values are the protocol's to check; the keys nobody
+        defines, which _check_supported refused unless told to ignore them, left out)."""
         if self.functions is not None or self.function_call is not None:
             if self.tools is not None or self.tool_choice is not None:
                 raise InvalidParameter("functions", "give tools and tool_choice, or the legacy functions and "
                                                     "function_call, not both")
-            tools = None if self.functions is None else [{"type": "function", "function": f} for f in self.functions]
+            tools = None if self.functions is None else [
+                {"type": "function", "function": known_only(f, FUNCTION_SHAPE)} for f in self.functions]
             call = self.function_call
-            choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+            choice = {"type": "function", "function": known_only(call, {"name": None})} if isinstance(call, dict) \
+                else call
             # The legacy answer holds one function_call.
             fields: dict[str, Any] = {"tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
         else:
-            fields = {"tools": self.tools, "tool_choice": self.tool_choice}
+            choice = self.tool_choice
+            if isinstance(choice, dict) and choice.get("type") == "function":
+                choice = known_only(choice, NAMED_TOOL_CHOICE_SHAPE)
+            tools = None if self.tools is None else [
+                known_only(tool, TOOL_SHAPE) if tool.get("type", "function") == "function" else tool
+                for tool in self.tools]
+            fields = {"tools": tools, "tool_choice": choice}
         if self.parallel_tool_calls is not None and not self.legacy_functions:
             fields["parallel_tool_calls"] = self.parallel_tool_calls
         return {name: value for name, value in fields.items() if value is not None}
