@@ -47,7 +47,7 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
     proportionally more tokens. config.quantize keeps the main model's linear layers
     weight-only quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it). A
     vision-language directory's tower and image processor load too, in the model's dtype
-    (engine/vision/images.py)."""
+    (engine/vision/images.py); without preprocessor_config.json it runs text only."""
     tokenizer = Tokenizer.from_pretrained(path)
     model = load_model(path, device, dtype, progress, config.quantize)
     cache_config = config.cache
@@ -75,9 +75,12 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
     )
     vision = None
     if model.config.vision_language is not None and Path(path).is_dir():
-        from engine.vision.images import ImageEncoder  # Pillow: only vision-language models need it
+        if (Path(path) / "preprocessor_config.json").is_file():
+            from engine.vision.images import ImageEncoder  # Pillow: only vision-language models need it
 
-        vision = ImageEncoder.from_pretrained(path, device, model_dtype)
+            vision = ImageEncoder.from_pretrained(path, device, model_dtype)
+        else:
+            log.warning("%s has no preprocessor_config.json: its language model runs text only", path)
     return LoadedEngine(model, cache, tokenizer, draft_model, draft_cache, vision)
 
 

@@ -6,6 +6,7 @@ once and share prompt pages; different images never do."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,12 @@ def test_a_text_model_has_no_vision_and_gemma3_has_its_tower(tiny_model_factory:
     gemma = vision_of(generator_for(make_tiny_vlm(tmp_path, "gemma3"), cache_tokens=64))
     (embedding,), = gemma.encode([make_images(1)])
     assert (gemma.tokens_per_image, len(embedding)) == (16, 16)
+
+
+def test_a_vlm_directory_without_its_image_processor_runs_text_only(llava_dir: Path, tmp_path: Path):
+    bare = tmp_path / "bare"
+    shutil.copytree(llava_dir, bare)
+    (bare / "preprocessor_config.json").unlink()
+    generator = generator_for(bare, cache_tokens=256)
+    assert generator.vision is None
+    assert run(generator, [Job([5, 6, 7], 3, stop_conditions=[], identifier=0)])[0].completion_ids
