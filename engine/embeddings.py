@@ -1,40 +1,85 @@
 """Embeddings that enter the model in place of token embeddings (the
 multimodal path: image or audio features projected to the model's width).
 
-Each Embedding takes a fresh, never reused range of reserved token ids, far
-above any vocabulary; a prompt places those ids where the embedding belongs.
-Because the ids are unique to the object, the prefix cache's page hashes
-(which cover the token ids) already tell embeddings apart: the same object
-reuses its pages, a different one — even with equal values — never does.
+Each Embedding is bound to a range of reserved token ids, far above any
+vocabulary; a prompt places those ids where the embedding belongs, and the
+prefix cache's page hashes (which cover the token ids) then tell embeddings
+apart with no other key.
+
+Which ids an embedding gets:
+- without a `key`, a fresh range never handed out before: the same object
+  reuses its pages, a different one (even with equal values) never does;
+- with a `key` (a content hash: engine/vision/images.py uses sha256 of the
+  preprocessed pixels and the tower's identity), the range the key got first,
+  so two jobs with the same image share the pages after it, and different
+  keys never share ids. The key is a promise: equal keys mean equal vectors.
+
+The key -> ids registry is process-wide and bounded (least recently used
+keys are forgotten past MAX_KEYS). Ids come from one counter and are never
+handed out twice, so an id range belongs to at most one key for the life of
+the process: two embeddings with the same ids always have the same key, hence
+the same vectors. Forgetting a key only makes its next embedding take a fresh
+range, which loses sharing with older jobs and never correctness.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 
 import torch
 
 #: First reserved id; vocabularies are far smaller.
 EMBEDDING_ID_BASE = 1 << 40
+#: Keys the registry remembers; the least recently used is forgotten past it.
+MAX_KEYS = 4096
 
 _next_id = itertools.count(EMBEDDING_ID_BASE)
 _id_lock = threading.Lock()
+_keys: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (first id, rows)
+
+
+def _fresh(rows: int) -> int:
+    first = next(_next_id)
+    for _ in range(rows - 1):
+        next(_next_id)
+    return first
+
+
+def _reserve(rows: int, key: str | None) -> int:
+    """The first of `rows` reserved ids: the key's range if the registry holds it, else a fresh one."""
+    with _id_lock:
+        if key is None:
+            return _fresh(rows)
+        known = _keys.get(key)
+        if known is not None:
+            first, known_rows = known
+            if known_rows != rows:
+                raise ValueError(f"embedding key {key!r} already names {known_rows} rows, not {rows}: "
+                                 "equal keys must mean equal vectors")
+            _keys.move_to_end(key)
+            return first
+        first = _fresh(rows)
+        _keys[key] = (first, rows)
+        while len(_keys) > MAX_KEYS:
+            _keys.popitem(last=False)
+        return first
 
 
 class Embedding:
-    """A [n, hidden_size] tensor bound to n reserved token ids."""
+    """A [n, hidden_size] tensor bound to n reserved token ids; `key` (optional) names its content, so
+    that embeddings with the same key share ids (and prefix-cache pages)."""
 
-    def __init__(self, vectors: torch.Tensor) -> None:
+    def __init__(self, vectors: torch.Tensor, key: str | None = None) -> None:
         if vectors.dim() != 2 or vectors.shape[0] == 0:
             raise ValueError(
                 f"embedding vectors must be a non-empty [n, hidden_size] tensor, got {tuple(vectors.shape)}")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise ValueError(f"embedding key must be a non-empty string or None, got {key!r}")
         self.vectors = vectors
-        with _id_lock:
-            first = next(_next_id)
-            for _ in range(vectors.shape[0] - 1):
-                next(_next_id)
-        self.first_id = first
+        self.key = key
+        self.first_id = _reserve(vectors.shape[0], key)
 
     @property
     def token_ids(self) -> list[int]:

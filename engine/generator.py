@@ -24,6 +24,7 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,6 +48,9 @@ from engine.spec_decode import Drafter
 from engine.stats import GeneratorStats, StepCounters, collect
 from engine.step_batch import Drawn, StepBatch, take_tokens
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.vision.images import ImageEncoder
 
 log = logging.getLogger(__name__)
 PREPARE_POLL_S = 0.05
@@ -116,6 +120,7 @@ class Generator:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if config.overlap else None
         self._seed_source = random.Random(config.seed)
         self.counters = StepCounters()
+        self.vision: ImageEncoder | None = None  # a vision-language model's images -> Embeddings
 
     @property
     def pool(self) -> PagePool:
@@ -128,10 +133,13 @@ class Generator:
                         draft_model_path: str | Path | None = None, **options: object) -> Generator:
         """Load model + tokenizer from an HF directory or a .gguf file, and a draft model from
         draft_model_path, with paged caches sized by config.cache (engine/loading.py); options set
-        single fields of config by name (cache_tokens=4096, max_batch_size=8, ...)."""
+        single fields of config by name (cache_tokens=4096, max_batch_size=8, ...). A vision-language
+        directory's image encoder becomes generator.vision."""
         config = (config or EngineConfig()).with_options(**options)
         loaded = load_engine(path, torch.device(device), dtype, config, progress, draft_model_path)
-        return cls(loaded.model, loaded.cache, loaded.tokenizer, config, loaded.draft_model, loaded.draft_cache)
+        generator = cls(loaded.model, loaded.cache, loaded.tokenizer, config, loaded.draft_model, loaded.draft_cache)
+        generator.vision = loaded.vision
+        return generator
 
     # -- the job API -----------------------------------------------------------------
 

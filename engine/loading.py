@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from engine.model import CausalLM
 from engine.tokenizer import Tokenizer
 from engine.weights import load_model
 
+if TYPE_CHECKING:
+    from engine.vision.images import ImageEncoder
+
 log = logging.getLogger(__name__)
 
 
@@ -27,6 +31,7 @@ class LoadedEngine:
     tokenizer: Tokenizer
     draft_model: CausalLM | None = None
     draft_cache: KVCache | None = None
+    vision: ImageEncoder | None = None  # a vision-language checkpoint's tower and image processor
 
 
 def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str | None, config: EngineConfig,
@@ -40,7 +45,9 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
     max_seq_len tokens would use. cache_dtype stores K/V as the model's dtype ("auto") or
     quantized (kernels.KV_CACHE_DTYPES), for both caches; the same memory then holds
     proportionally more tokens. config.quantize keeps the main model's linear layers
-    weight-only quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it)."""
+    weight-only quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it). A
+    vision-language directory's tower and image processor load too, in the model's dtype
+    (engine/vision/images.py); without preprocessor_config.json it runs text only."""
     tokenizer = Tokenizer.from_pretrained(path)
     model = load_model(path, device, dtype, progress, config.quantize)
     cache_config = config.cache
@@ -66,7 +73,15 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
         path, model.config.family, model_dtype, cache.cache_dtype, num_pages, page_size,
         num_pages * page_size * per_token / 2**20,
     )
-    return LoadedEngine(model, cache, tokenizer, draft_model, draft_cache)
+    vision = None
+    if model.config.vision_language is not None and Path(path).is_dir():
+        if (Path(path) / "preprocessor_config.json").is_file():
+            from engine.vision.images import ImageEncoder  # Pillow: only vision-language models need it
+
+            vision = ImageEncoder.from_pretrained(path, device, model_dtype)
+        else:
+            log.warning("%s has no preprocessor_config.json: its language model runs text only", path)
+    return LoadedEngine(model, cache, tokenizer, draft_model, draft_cache, vision)
 
 
 def default_cache_bytes(device: torch.device, model: CausalLM, config: EngineConfig,

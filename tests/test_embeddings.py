@@ -79,3 +79,30 @@ def test_embedding_errors_are_clear(llama_dir: Path):
         Job([5, 6], 2, embeddings=[unused])
     with pytest.raises(JobRejected, match="outside the vocabulary"):
         generator.enqueue(Job([5, *unused.token_ids], 2))
+
+
+def test_keyed_embeddings_share_ids_and_pages_by_key(llama_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=2048, page_size=PAGE_SIZE)
+    hidden = generator.model.config.hidden_size
+    torch.manual_seed(2)
+    vectors, other = torch.randn(12, hidden), torch.randn(12, hidden)
+    text = list(range(30, 38))
+
+    def job(embedding: Embedding, name: str) -> Job:
+        return Job(text + embedding.token_ids + [40, 41, 42], 4, stop_conditions=[], embeddings=[embedding],
+                   identifier=name)
+
+    first = Embedding(vectors, key="test-image-a")
+    twin = Embedding(vectors.clone(), key="test-image-a")
+    assert twin.token_ids == first.token_ids and Embedding(other, key="test-image-b").first_id != first.first_id
+    run(generator, [job(first, "a")])
+    assert run(generator, [job(twin, "b")])["b"]["cached_tokens"] == 16  # both full pages, the image's too
+    assert run(generator, [job(Embedding(other, key="test-image-b"), "c")])["c"]["cached_tokens"] == 8
+    with pytest.raises(ValueError, match="already names 12 rows, not 3"):
+        Embedding(vectors[:3], key="test-image-a")
+    # a forgotten key takes fresh ids: sharing with older jobs is lost, ids are never reused
+    monkeypatch.setattr("engine.embeddings.MAX_KEYS", 1)
+    Embedding(other, key="test-image-c")
+    again = Embedding(vectors, key="test-image-a")
+    assert again.first_id > first.first_id
+    assert run(generator, [job(again, "d")])["d"]["cached_tokens"] == 8

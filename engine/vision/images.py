@@ -1,0 +1,117 @@
+"""ImageEncoder: decoded images of several jobs -> keyed Embeddings, the tower run once per distinct image.
+
+Each image is preprocessed as the model's Hugging Face processor does (engine/vision/processing.py), then
+named by a content key: sha256 of its pixel values and the encoder's identity. Images with equal keys are
+encoded once, in one batch with every other distinct image of the call, on the tower's device and dtype,
+and get Embeddings with that key, so equal images take equal reserved ids (engine/embeddings.py): jobs
+with the same image share the prompt pages after it, different images never do.
+
+expand_image_placeholders turns a LLaVA prompt's image tokens (one per image, as the chat template writes
+`<image>`) into the embeddings' reserved ids, as transformers' LlavaProcessor expands `<image>` into
+tokens_per_image image tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from engine.embeddings import Embedding
+from engine.errors import ModelLoadError
+from engine.vision.loading import load_vision_tower
+from engine.vision.processing import ImageProcessor, image_processor_from_config
+from engine.vision.tower import VisionTower
+
+_encoders = itertools.count()
+
+
+class ImageEncoder:
+    """A loaded VisionTower with its model's image processor. `identity` goes into every content key: by
+    default unique to this encoder in the process (another tower's rows never share ids with this one's)."""
+
+    def __init__(self, tower: VisionTower, processor: ImageProcessor, identity: str | None = None) -> None:
+        self.tower, self.processor = tower, processor
+        self.identity = identity or f"{tower.config.architecture}#{next(_encoders)}"
+        parameter = next(tower.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.tower_batches = 0  # forward calls of the tower
+        self.images_encoded = 0  # distinct images those calls encoded
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | str | None = None) -> ImageEncoder:
+        """The tower, projector and image processor of a LLaVA or Gemma 3 HF directory."""
+        path = Path(path)
+        processor_path = path / "preprocessor_config.json"
+        if not processor_path.is_file():
+            raise ModelLoadError(f"{processor_path} not found: a vision-language directory needs its image "
+                                 "processor's config to take images")
+        try:
+            processor = image_processor_from_config(json.loads(processor_path.read_text()))
+        except ValueError as error:
+            raise ModelLoadError(f"{processor_path}: {error}") from error
+        return cls(load_vision_tower(path, device, dtype), processor)
+
+    @property
+    def image_token_id(self) -> int:
+        """The token a prompt holds where an image goes (before expand_image_placeholders)."""
+        return self.tower.config.image_token_id
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.tower.tokens_per_image
+
+    def key(self, pixels: np.ndarray) -> str:
+        """The content key of one image's preprocessed pixels under this encoder."""
+        pixels = np.ascontiguousarray(pixels)
+        digest = hashlib.sha256()
+        digest.update(f"{self.identity}|{pixels.dtype.str}|{pixels.shape}|".encode())
+        digest.update(pixels.data)
+        return f"image:{digest.hexdigest()}"
+
+    def encode(self, images: Sequence[Sequence[Image.Image]]) -> list[list[Embedding]]:
+        """Per job, per image: its Embedding ([tokens_per_image, text hidden size] on the tower's device).
+        The tower runs once, over the distinct images of all the jobs together."""
+        keyed: list[list[str]] = []
+        distinct: dict[str, np.ndarray] = {}
+        for job_images in images:
+            keys = []
+            for image in job_images:
+                pixels = self.processor.pixels(image)
+                key = self.key(pixels)
+                distinct.setdefault(key, pixels)
+                keys.append(key)
+            keyed.append(keys)
+        if not distinct:
+            return [[] for _ in keyed]
+        batch = torch.from_numpy(np.stack(list(distinct.values()))).to(self.device, self.dtype)
+        features = self.tower(batch)
+        self.tower_batches += 1
+        self.images_encoded += len(distinct)
+        by_key = {key: Embedding(rows, key=key) for key, rows in zip(distinct, features, strict=True)}
+        return [[by_key[key] for key in keys] for keys in keyed]
+
+
+def expand_image_placeholders(input_ids: Sequence[int], embeddings: Sequence[Embedding],
+                              image_token_id: int) -> list[int]:
+    """input_ids with its i-th image token replaced by embeddings[i].token_ids (LLaVA: one image token per
+    image in the prompt, as the chat template writes `<image>`). ValueError when the counts differ."""
+    positions = [i for i, token in enumerate(input_ids) if token == image_token_id]
+    if len(positions) != len(embeddings):
+        raise ValueError(f"the prompt has {len(positions)} image tokens (id {image_token_id}) for "
+                         f"{len(embeddings)} images: each image needs exactly one")
+    expanded: list[int] = []
+    start = 0
+    for position, embedding in zip(positions, embeddings, strict=True):
+        expanded += input_ids[start:position]
+        expanded += embedding.token_ids
+        start = position + 1
+    expanded += input_ids[start:]
+    return expanded
