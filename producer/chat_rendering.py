@@ -9,6 +9,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+import jinja2
+
 from chat_template import ChatTemplate
 from producer.protocol import ChatMessage, GenerationRequest, ImageContentPart, ProtocolError, TextContentPart
 from producer.reasoning import ReasoningFormat, detect_reasoning_format, template_thinks
@@ -25,7 +27,20 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 (transformers' continue_final_message_tag)."""
 
 
-def render_messages(request: GenerationRequest, chat: ChatTemplate) -> str:
+def render_messages(request: GenerationRequest, chat: ChatTemplate, image_placeholder: str | None = None) -> str:
+    """The chat's prompt text (_render). A chat with images goes to the template as transformers'
+    processors pass it, content as a list of text and image parts; a template that only takes text
+    content (it fails on the list) gets each message's parts joined by newlines instead, an image
+    as `image_placeholder`, the text the model's image token is (vLLM's "string" content format)."""
+    try:
+        return _render(request, chat, parts=True)
+    except (TypeError, jinja2.TemplateError):
+        if image_placeholder is None or not any(m.image_parts for m in request.messages or ()):
+            raise
+        return _render(request, chat, parts=False, image_placeholder=image_placeholder)
+
+
+def _render(request: GenerationRequest, chat: ChatTemplate, parts: bool, image_placeholder: str = "") -> str:
     """The chat's prompt text. Assistant tool calls in the history go to the template with
     their arguments as objects (template_messages); tools go in through the template's `tools`
     variable, or, for a template without tool support, as the generic tool prompt (which also
@@ -33,7 +48,7 @@ def render_messages(request: GenerationRequest, chat: ChatTemplate) -> str:
     shown (as vLLM does): the model knows them, its output is not read for calls.
     chat_template_kwargs and add_generation_prompt reach the template; continue_final_message
     leaves the last message open (render_continued)."""
-    messages = [_template_message(m) for m in request.messages or ()]
+    messages = [_template_message(m, parts, image_placeholder) for m in request.messages or ()]
     tools = None
     if request.tools is None:
         messages = template_messages(messages)
@@ -49,7 +64,7 @@ def render_messages(request: GenerationRequest, chat: ChatTemplate) -> str:
     return chat.render(messages, request.add_generation_prompt, tools=tools, **options)
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def _template_message(message: ChatMessage, parts: bool = True, image_placeholder: str = "") -> dict[str, Any]:
     """A message as the template sees it: content a string, as ever, unless the message holds images;
     then, as transformers' processors pass a multimodal chat to the template, a list of
     {"type": "text", "text": ...} and {"type": "image"} parts (the image's data stays out of the
@@ -57,6 +72,10 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     fields = message.model_dump(exclude_none=True)
     if not message.image_parts:
         fields["content"] = message.text
+    elif not parts:
+        fields["content"] = "\n".join(image_placeholder if isinstance(part, ImageContentPart) else part.text
+                                      for part in message.content
+                                      if isinstance(part, (ImageContentPart, TextContentPart)))
     else:
         fields["content"] = [{"type": "image"} if isinstance(part, ImageContentPart)
                              else {"type": "text", "text": part.text}

@@ -1,9 +1,9 @@
 """Images through a real worker serving a tiny LLaVA directory (genq_dev/tiny_vlm.py) and the real
 gateway, with the real `openai` SDK (issue 27): the card says what the model takes, bad images are
 refused naming their part (at the gateway with a 400, at the worker with a ProtocolError) before
-anything reaches the vision tower, good ones reach prepare_images (which refuses until the engine
-side lands), image URLs are fetched by the gateway through the callbacks' SSRF guard, and the worker
-keeps serving text after all of it."""
+anything reaches the vision tower, a good one gets the text the engine gives for it, image URLs are
+fetched by the gateway through the callbacks' SSRF guard, and the worker keeps serving text after
+all of it."""
 
 from __future__ import annotations
 
@@ -25,13 +25,16 @@ import redis
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from engine import Generator, Job
+from engine.vision.images import expand_image_placeholders
 from genq_dev.tiny_vlm import make_tiny_vlm
+from image_input import decode_image
 from producer.client import GenerationError, GenqClient
 from producer.gateway import GatewaySettings, create_app
 from producer.model_card import WorkerCard, card_key
 from producer.protocol import DEFAULT_KEY_PREFIX, MAX_IMAGE_BYTES, MAX_IMAGES
+from tests.engine_runs import run
 from tests.gateway_service import MODEL, QUEUE, TOKEN, GatewayProcess, bearer, service_env
-from worker.images import NOT_YET
 from worker.processes import WorkerProcess
 
 FETCH_TIMEOUT_S = 3
@@ -178,21 +181,44 @@ def test_the_worker_refuses_bad_images_naming_them(genq: GenqClient, prompt: str
     assert expected in info.value.message, info.value.message
 
 
-def test_a_good_image_reaches_prepare_images(genq: GenqClient):
-    request = {"prompt": f"{PLACEHOLDER} describe", "images": [{"data": b64(png()), "media_type": "image/png"}],
-               "max_new_tokens": 2}
-    with pytest.raises(GenerationError) as info:
-        genq.submit(request).result(timeout=60)
-    assert info.value.message == NOT_YET
+def engine_greedy(model_dir: Path, prompt: str, image: bytes, max_new_tokens: int) -> list[int]:
+    """The engine's greedy tokens for `prompt` with `image` at its placeholder, run in this process."""
+    generator = Generator.from_pretrained(str(model_dir))
+    assert generator.vision is not None
+    embeddings = generator.vision.encode([[decode_image(image)]])[0]
+    ids = generator.tokenizer.encode(prompt, add_special_tokens=generator.tokenizer.add_bos_token)
+    job = Job(expand_image_placeholders(ids, embeddings, generator.vision.image_token_id), max_new_tokens,
+              embeddings=embeddings, stop_conditions=[], identifier="reference")
+    return run(generator, [job])["reference"].completion_ids or []
+
+
+def test_a_good_image_gets_the_engine_s_greedy_tokens(genq: GenqClient, model_dir: Path):
+    prompt = f"{PLACEHOLDER} describe"
+    request = {"prompt": prompt, "images": [{"data": b64(png()), "media_type": "image/png"}], "max_new_tokens": 6,
+               "ignore_eos": True, "sampling": {"temperature": 0}}
+    result = genq.submit(request).result(timeout=60)
+    assert result.token_ids == engine_greedy(model_dir, prompt, png(), 6)
+    different = genq.submit({**request, "images": [{"data": b64(png((5, 40)))}]}).result(timeout=60)
+    assert different.usage.prompt_tokens == result.usage.prompt_tokens
     assert genq.submit({"prompt": "Hello", "max_new_tokens": 2}).result(timeout=60).finish_reason == "length"
 
 
 # --- the gateway ---------------------------------------------------------------------------------
 
 
-def test_an_image_data_url_is_accepted_up_to_the_worker(oai: openai.OpenAI):
-    body = refusal(oai, chat(image_part(data_url(png()), detail="low")))
-    assert body["code"] == "generation_failed" and body["message"] == NOT_YET, body
+def described(oai: openai.OpenAI, url: str) -> str:
+    reply = oai.chat.completions.create(model=MODEL, messages=chat(image_part(url, detail="low")),  # type: ignore[arg-type]
+                                        max_tokens=6, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    return reply.choices[0].message.content or ""
+
+
+def test_an_image_data_url_gets_the_same_text_as_the_native_chat(oai: openai.OpenAI, genq: GenqClient):
+    text = described(oai, data_url(png()))
+    native = genq.submit({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image", "data": b64(png())}]}],
+        "max_new_tokens": 6, "sampling": {"temperature": 0}}).result(timeout=60)
+    assert text == native.text
     assert_serves_text(oai)
 
 
@@ -225,8 +251,7 @@ def test_an_image_in_an_assistant_message_is_refused(oai: openai.OpenAI):
 
 
 def test_image_urls_are_fetched_by_the_gateway(oai: openai.OpenAI, image_server: ImageServer):
-    body = refusal(oai, chat(image_part(f"{image_server.url}/ok.png")))
-    assert body["message"] == NOT_YET, body  # fetched, decoded, sent as data: the worker got it
+    assert described(oai, f"{image_server.url}/ok.png") == described(oai, data_url(png()))
     assert "/ok.png" in image_server.paths
 
 

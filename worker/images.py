@@ -9,20 +9,23 @@ work, and the one hand-off to the vision side.
   model that takes no images, too many images, a prompt whose placeholders do not match). Each
   refusal is a ProtocolError naming the image's field path, so malformed base64, a decompression
   bomb or a file that is not an image never reaches the vision tower.
-- `prepare_images`: decoded images -> what the engine job needs. The engine side (the vision tower
-  running in the worker, embeddings in the page hash chain) fills it in; until then it refuses.
+- `prepare_images`: decoded images -> the job's embeddings, from the generator's ImageEncoder
+  (engine/vision/images.py: the tower run once per distinct image, keyed by content so equal images
+  share prompt pages). It runs on the task's thread, one request at a time (ENCODE_LOCK): requests
+  are not yet batched together through the tower, and Gemma 3 is refused (its image tokens attend
+  both ways, which the engine's attention does not do yet).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
-from typing import NoReturn
 
 from PIL import Image
 
-from engine import Generator
+from engine import Embedding, Generator
 from image_input import ImageLimits, decode_base64_image
 from producer.model_card import ImageSupport
 from producer.protocol import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, GenerationRequest, ProtocolError
@@ -30,8 +33,10 @@ from producer.protocol import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, Gen
 log = logging.getLogger(__name__)
 
 IMAGE_LIMITS = ImageLimits(max_bytes=MAX_IMAGE_BYTES, max_pixels=MAX_IMAGE_PIXELS)
-NOT_YET = ("images: this worker's model takes images, but the worker does not run its vision tower yet "
-           "(worker/images.py prepare_images; issue 27's engine side): the request was not run")
+NOT_YET = ("images: this worker's model (Gemma 3) takes images, but the engine cannot run them token for token "
+           "as transformers does yet (an image's tokens attend to each other both ways): the request was not run")
+ENCODE_LOCK = threading.Lock()
+"""One request's images through the vision tower at a time."""
 
 
 class ImagesNotReady(RuntimeError):
@@ -95,7 +100,11 @@ def decode_images(request: GenerationRequest, support: ImageSupport | None) -> l
     return decoded
 
 
-def prepare_images(request: GenerationRequest, decoded: list[Image.Image]) -> NoReturn:
-    """The decoded images -> what the engine job needs (pixels, the tower's embeddings, their
-    spans in the prompt). The engine side of issue 27 fills this in; until then it refuses."""
-    raise ImagesNotReady(NOT_YET)
+def prepare_images(decoded: list[Image.Image], generator: Generator) -> list[Embedding]:
+    """The decoded images' embeddings, in prompt order, for build_job to place (ImagesNotReady for a
+    model whose image jobs the engine cannot run yet)."""
+    encoder = generator.vision
+    if encoder is None or encoder.tower.config.projector != "llava":
+        raise ImagesNotReady(NOT_YET)
+    with ENCODE_LOCK:
+        return encoder.encode([decoded])[0]

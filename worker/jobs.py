@@ -6,12 +6,13 @@ become the job's constraint."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from functools import lru_cache
 
-from engine import Constraint, Job, SamplerSettings, Tokenizer
+from engine import Constraint, Embedding, Job, SamplerSettings, Tokenizer
 from engine.constraints import compiled_grammar
+from engine.vision.images import expand_image_placeholders
 from producer.chat_rendering import model_reasoning_format, model_tool_format, render_messages
 from producer.protocol import (
     DRY_DEFAULT_SEQUENCE_BREAKERS,
@@ -26,7 +27,8 @@ from producer.protocol import (
 from producer.tool_calls import SPECIAL_MARKERS, ToolChoice, auto_call_grammar, forced_call_grammar
 
 
-def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str, vocab_size: int) -> Job:
+def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str, vocab_size: int,
+              images: Sequence[Embedding] = (), image_token_id: int | None = None) -> Job:
     """The engine job for `request`. `vocab_size` is the model's: the protocol bounds token ids
     only by int32, so stop tokens the model can never produce are refused here (the engine
     refuses such input_ids, sampling settings refuse such banned ids and biases). Whether the
@@ -35,7 +37,10 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
     A request with tools gets its tool_format filled in when it left it null (the format this
     model writes): the same request object goes on to the loop, whose RequestEvents reads the
     calls out of the output in that format (worker/tool_results.py). A chat gets its
-    reasoning_format filled in so too (the thought is split off first)."""
+    reasoning_format filled in so too (the thought is split off first).
+
+    `images`: the request's image embeddings in prompt order (worker/images.py); each image token
+    (`image_token_id`) of the prompt becomes its embedding's reserved ids."""
     for index, token in enumerate(request.stop_token_ids):
         if token >= vocab_size:
             raise ProtocolError([f"stop_token_ids[{index}]: token id {token} is outside the vocabulary "
@@ -52,9 +57,16 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
     elif request.messages is not None:
         if tokenizer.chat_template is None:
             raise ProtocolError(["messages: this model has no chat template; send prompt or input_ids"])
-        input_ids = encode_messages(request, tokenizer)
+        placeholder = tokenizer.backend.id_to_token(image_token_id) if image_token_id is not None else None
+        input_ids = encode_messages(request, tokenizer, placeholder)
     else:
         input_ids = list(request.input_ids or ())
+    if images:
+        assert image_token_id is not None, "a model that takes images names its image token"
+        try:
+            input_ids = expand_image_placeholders(input_ids, images, image_token_id)
+        except ValueError as error:
+            raise ProtocolError([f"{'prompt' if request.prompt is not None else 'messages'}: {error}"]) from None
     stops: list[int | str] = [*request.stop, *request.stop_token_ids]
     if not request.ignore_eos:
         stops += tokenizer.eos_token_ids
@@ -78,12 +90,14 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
         max_skips=request.max_skips,
         banned_strings=request.banned_strings,
         token_healing=request.token_healing,
+        embeddings=images,
     )
 
 
-def encode_messages(request: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+def encode_messages(request: GenerationRequest, tokenizer: Tokenizer,
+                    image_placeholder: str | None = None) -> list[int]:
     """The chat's prompt tokens (render_messages, encoded)."""
-    return tokenizer.encode_rendered(render_messages(request, tokenizer.chat))
+    return tokenizer.encode_rendered(render_messages(request, tokenizer.chat, image_placeholder))
 
 
 def tool_constraint(request: GenerationRequest, tokenizer: Tokenizer) -> Constraint | None:

@@ -72,10 +72,10 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: 
     try:
         request = GenerationRequest.parse_payload(chained_payload(kwargs, parents))
         images = decode_images(request, runtime.card.card.images)
-        if images:
-            prepare_images(request, images)
         generator = runtime.generator
-        job = build_job(request, generator.tokenizer, identifier, generator.model.config.vocab_size)
+        embeddings = prepare_images(images, generator) if images else []
+        job = build_job(request, generator.tokenizer, identifier, generator.model.config.vocab_size, embeddings,
+                        generator.vision.image_token_id if generator.vision is not None else None)
         # The engine's own refusals (context, vocabulary) checked here too, so that they fail as the
         # invalid requests they are rather than as GenerationFailed from the loop.
         admit(job, generator.limits)
@@ -86,6 +86,13 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: 
     except ImagesNotReady as error:
         publish_error(runtime.publisher, identifier, str(error), attempt)
         raise GenerationFailed(str(error)) from None
+    except Exception as error:
+        # Anything else (a chat template that fails on this chat, say) still ends the request's
+        # stream, so that no reader waits for an event that never comes.
+        log.exception("request %r: building its job failed", identifier)
+        message = f"the worker could not build the job: {type(error).__name__}: {error}"
+        publish_error(runtime.publisher, identifier, message, attempt)
+        raise GenerationFailed(message) from None
     deadline = request.deadline
     if request.timeout_s is not None:
         deadline = time.time() + request.timeout_s
