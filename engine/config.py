@@ -150,10 +150,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise ModelLoadError(f"{config_path} not found: a model directory needs config.json")
-        return cls.from_dict(json.loads(config_path.read_text()))
+        return cls.from_dict(read_config_json(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -213,6 +210,15 @@ class ModelConfig:
             embed_scale=math.sqrt(hidden) if gemma else 1.0,
             **_moe_fields(raw, family, num_layers),
         )
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A model directory's config.json (ModelLoadError when it has none)."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{config_path} not found: a model directory needs config.json")
+    raw: dict[str, Any] = json.loads(config_path.read_text())
+    return raw
 
 
 def language_model_config(raw: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

@@ -1,6 +1,7 @@
 """The worker's side of images without a service (issue 27): the model card's `images` read from
 tiny LLaVA and Gemma 3 directories (genq_dev/tiny_vlm.py) loaded by the engine, and none for a text
-model. The refusals through a real worker are in tests/test_gateway_images.py."""
+model or a vision directory that loads text only. The refusals through a real worker are in
+tests/test_gateway_images.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_the_card_says_what_a_vision_model_takes(tmp_path: Path, family: str, ov
                                                  token_id: int, tokens: int):
     path = make_tiny_vlm(tmp_path, family, **overrides)
     generator = Generator.from_pretrained(path, cache_tokens=256, page_size=16, max_seq_len=64)
-    support = image_support(str(path), generator)
+    support = image_support(generator)
     vocab = generator.model.config.vocab_size
     assert support is not None
     assert support.placeholder == generator.tokenizer.backend.id_to_token(vocab + token_id)
@@ -33,5 +34,11 @@ def test_the_card_says_what_a_vision_model_takes(tmp_path: Path, family: str, ov
 
 def test_a_text_model_takes_no_images(llama_dir: Path):
     generator = Generator.from_pretrained(llama_dir, cache_tokens=256, page_size=16)
-    assert image_support(str(llama_dir), generator) is None
-    assert image_support(str(llama_dir / "no-such-dir"), generator) is None
+    assert image_support(generator) is None
+
+
+def test_a_vision_directory_that_loads_text_only_takes_no_images(tmp_path: Path):
+    path = make_tiny_vlm(tmp_path, "llava")
+    (path / "preprocessor_config.json").unlink()
+    generator = Generator.from_pretrained(path, cache_tokens=256, page_size=16)
+    assert generator.vision is None and image_support(generator) is None

@@ -1,9 +1,9 @@
 """A request's images on the worker: what the card says about them, the refusals before any pixel
 work, and the one hand-off to the vision side.
 
-- `image_support`: the card's `images` (producer/model_card.py) from the model directory's
-  config.json (engine/vision/config.py reads LLaVA's and Gemma 3's): the placeholder a `prompt`
-  marks an image with, the tokens one image becomes, how many images a request may carry.
+- `image_support`: the card's `images` (producer/model_card.py) from the vision encoder the
+  generator loaded (engine/vision/: LLaVA's and Gemma 3's): the placeholder a `prompt` marks an
+  image with, the tokens one image becomes, how many images a request may carry.
 - `decode_images`: every image the request carries, decoded with image_input/ within the
   protocol's limits (MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS), after the checks that need no decoding (a
   model that takes no images, too many images, a prompt whose placeholders do not match). Each
@@ -18,10 +18,8 @@ work, and the one hand-off to the vision side.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from pathlib import Path
 
 from PIL import Image
 
@@ -43,26 +41,13 @@ class ImagesNotReady(RuntimeError):
     """A valid request with images that this worker cannot run yet; the task fails with GenerationFailed."""
 
 
-def image_support(model: str, generator: Generator) -> ImageSupport | None:
-    """The card's `images` for the model at `model` (a directory), or None when it takes none: a text
-    model, a GGUF file, or a vision config the engine does not read (logged)."""
-    config_path = Path(model) / "config.json"
-    if not config_path.is_file():
+def image_support(generator: Generator) -> ImageSupport | None:
+    """The card's `images` for the generator's model, from the vision encoder it loaded; None when it
+    takes none (a text model, a GGUF file, a vision directory that loaded text only)."""
+    if generator.vision is None:
         return None
-    from engine.vision.config import ARCHITECTURES, VisionLanguageConfig
-
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(raw, dict) or not set(raw.get("architectures") or ()) & set(ARCHITECTURES):
-        return None
-    try:
-        config = VisionLanguageConfig.from_dict(raw)
-    except ValueError as error:
-        log.warning("the model's vision config cannot be read (%s): the card says it takes no images", error)
-        return None
-    placeholder = generator.tokenizer.backend.id_to_token(config.placeholder_token_id)
+    config = generator.vision.tower.config
+    placeholder = generator.tokenizer.id_to_token(config.placeholder_token_id)
     if not placeholder:
         log.warning("the model's image token %d has no text: the card says it takes no images",
                     config.placeholder_token_id)

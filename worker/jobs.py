@@ -57,7 +57,7 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
     elif request.messages is not None:
         if tokenizer.chat_template is None:
             raise ProtocolError(["messages: this model has no chat template; send prompt or input_ids"])
-        placeholder = tokenizer.backend.id_to_token(image_token_id) if image_token_id is not None else None
+        placeholder = tokenizer.id_to_token(image_token_id) if image_token_id is not None else None
         input_ids = encode_messages(request, tokenizer, placeholder)
     else:
         input_ids = list(request.input_ids or ())

@@ -8,12 +8,12 @@ refused here, naming the field.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config import read_config_json
 from engine.errors import ModelLoadError, UnsupportedArchitectureError
 from engine.vision.activations import ACTIVATIONS
 
@@ -104,10 +104,7 @@ class VisionLanguageConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> VisionLanguageConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise ModelLoadError(f"{config_path} not found: a model directory needs config.json")
-        return cls.from_dict(json.loads(config_path.read_text()))
+        return cls.from_dict(read_config_json(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VisionLanguageConfig:
