@@ -146,8 +146,8 @@ async def _chat_fields(body: TokenizeRequest, limits: ModelLimits, settings: Gat
     messages = body.messages or []
     try:
         unknown = [key for index, message in enumerate(messages) for key in message.unknown_keys(f"messages[{index}]")]
-        unknown += [key for index, tool in enumerate(body.tools or ()) for key in
-                    unknown_keys(tool, TOOL_SHAPE, f"tools[{index}]")]
+        unknown += [key for index, tool in enumerate(body.tools or ()) if tool.get("type", "function") == "function"
+                    for key in unknown_keys(tool, TOOL_SHAPE, f"tools[{index}]")]  # the protocol refuses the rest
         refuse_unknown(unknown, settings.ignore_unknown_params)
         images = await resolve_images(image_url_parts(messages), limits.images, True,
                                       allow_private=settings.image_url_allow_private_hosts,
