@@ -86,8 +86,8 @@ def _check_fits(job: Job, limits: Limits) -> None:
         raise JobRejected("embeddings: not supported with a draft model (it has no rows for the embedding "
                           "tokens); use n-gram drafts (use_ngram_draft=True) or no speculation")
     for embedding in job.embeddings:
-        if embedding.vectors.shape[1] != limits.hidden_size:
-            raise JobRejected(f"embeddings: vectors of width {embedding.vectors.shape[1]}, the model's "
+        if embedding.width != limits.hidden_size:
+            raise JobRejected(f"embeddings: vectors of width {embedding.width}, the model's "
                               f"hidden_size is {limits.hidden_size}")
 
 

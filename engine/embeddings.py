@@ -20,6 +20,9 @@ handed out twice, so an id range belongs to at most one key for the life of
 the process: two embeddings with the same ids always have the same key, hence
 the same vectors. Forgetting a key only makes its next embedding take a fresh
 range, which loses sharing with older jobs and never correctness.
+
+A DeferredEmbedding (an image before its tower ran) has its rows, width and key, hence its ids, at
+once, and its vectors only when the generator admits its job (engine/encoder_inputs.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -75,16 +80,58 @@ class Embedding:
         if vectors.dim() != 2 or vectors.shape[0] == 0:
             raise ValueError(
                 f"embedding vectors must be a non-empty [n, hidden_size] tensor, got {tuple(vectors.shape)}")
+        self._bind(vectors.shape[0], vectors.shape[1], key)
+        self._vectors: torch.Tensor | None = vectors
+
+    def _bind(self, rows: int, width: int, key: str | None) -> None:
         if key is not None and (not isinstance(key, str) or not key):
             raise ValueError(f"embedding key must be a non-empty string or None, got {key!r}")
-        self.vectors = vectors
-        self.key = key
-        self.first_id = _reserve(vectors.shape[0], key)
+        self.rows, self.width, self.key = rows, width, key
+        self.first_id = _reserve(rows, key)
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the vectors are there (a DeferredEmbedding's come when its job is admitted)."""
+        return self._vectors is not None
+
+    @property
+    def vectors(self) -> torch.Tensor:
+        if self._vectors is None:
+            raise RuntimeError(f"embedding {self.key!r} is not encoded yet: its job has not been admitted")
+        return self._vectors
 
     @property
     def token_ids(self) -> list[int]:
         """The ids to put in input_ids where this embedding goes."""
-        return list(range(self.first_id, self.first_id + self.vectors.shape[0]))
+        return list(range(self.first_id, self.first_id + self.rows))
 
     def __len__(self) -> int:
-        return self.vectors.shape[0]
+        return self.rows
+
+
+class DeferredEncoder(Protocol):
+    """What computes DeferredEmbeddings' vectors (engine/vision/images.py's ImageEncoder)."""
+
+    def encode_deferred(self, embeddings: Sequence[DeferredEmbedding]) -> None:
+        """Fill every embedding's vectors, in as few model calls as it can; raise if it cannot."""
+
+
+class DeferredEmbedding(Embedding):
+    """An embedding whose vectors are computed when its job is admitted (vLLM v1's encoder inputs
+    scheduled with the step): its rows, width and content key are known before, so are its ids, the
+    prompt and the prefix-cache hashes. The generator hands the deferred embeddings of a step's
+    admissions to their encoder together (engine/encoder_inputs.py)."""
+
+    def __init__(self, rows: int, width: int, key: str, encoder: DeferredEncoder) -> None:
+        if rows < 1 or width < 1:
+            raise ValueError(f"a deferred embedding needs rows and width >= 1, got {rows} x {width}")
+        self._bind(rows, width, key)
+        self._vectors = None
+        self.encoder = encoder
+
+    def fill(self, vectors: torch.Tensor) -> None:
+        """The vectors the encoder computed: [rows, width]."""
+        if tuple(vectors.shape) != (self.rows, self.width):
+            raise ValueError(f"embedding {self.key!r} takes [{self.rows}, {self.width}] vectors, "
+                             f"got {tuple(vectors.shape)}")
+        self._vectors = vectors

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ import torch
 from engine.admission import JobSetup, Limits, Preparing, admit
 from engine.batch_sampler import BatchSampler
 from engine.cache import KVCache, PagePool
+from engine.encoder_inputs import encode_scheduled
 from engine.engine_config import EngineConfig, resolve_limits
 from engine.errors import JobRejected, QueueFull
 from engine.job import Job
@@ -281,6 +282,7 @@ class Generator:
         schedule = self.scheduler.schedule()
         for sequence in schedule.preempted:
             self._release_rows(sequence.serial)
+        schedule = self._encode_inputs(schedule)
         now = time.monotonic()
         for sequence in schedule.started:
             sequence.time_started = now
@@ -299,6 +301,17 @@ class Generator:
         if step is None and not results and self._preparing:
             wait([p.future for p in self._preparing.values()], PREPARE_POLL_S, FIRST_COMPLETED)
         return results
+
+    def _encode_inputs(self, schedule: SchedulerOutput) -> SchedulerOutput:
+        """Encode the images the step's prompt chunks need (engine/encoder_inputs.py); a job whose
+        images fail ends alone with the error and leaves the step."""
+        failed = encode_scheduled(schedule.scheduled)
+        if not failed:
+            return schedule
+        for serial, message in failed.items():
+            self._end_now(serial, FinishReason.ERROR, message)
+        return replace(schedule, scheduled=tuple(i for i in schedule.scheduled if i.sequence.serial not in failed),
+                       started=tuple(s for s in schedule.started if s.serial not in failed))
 
     def _launch(self, schedule: SchedulerOutput) -> _Step:
         """Propose drafts, then start the forward and the sampling of the step's batch (on the

@@ -311,6 +311,46 @@ def test_a_private_image_url_is_refused_by_default(redis_url: str, image_server:
     assert redis.Redis.from_url(redis_url).llen(queue) == 0
 
 
+def tokenized(gateway: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    reply = httpx.post(f"{gateway}/tokenize", json={"model": MODEL, "messages": messages}, headers=bearer(),
+                       timeout=30)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_tokenize_counts_a_chat_s_image_as_the_worker_does(oai: openai.OpenAI, gateway: str):
+    messages = chat(image_part(data_url(png())))
+    counted = tokenized(gateway, messages)
+    reply = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert reply.usage is not None and reply.usage.prompt_tokens == counted["count"] == len(counted["tokens"])
+    image_token = counted["tokens"].index(max(counted["tokens"]))  # the vocabulary's last id
+    assert counted["tokens"][image_token:image_token + 16] == [counted["tokens"][image_token]] * 16
+
+
+def test_tokenize_refuses_an_unknown_key_in_an_image_part_naming_it(gateway: str):
+    messages = chat(image_part(data_url(png()), detial="low"))
+    reply = httpx.post(f"{gateway}/tokenize", json={"model": MODEL, "messages": messages}, headers=bearer(),
+                       timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["code"], error["param"]) == ("unknown_parameter", "messages[0].content[1].image_url.detial")
+
+
+def test_a_chat_whose_image_tokens_overflow_the_context_is_refused_before_queueing(oai: openai.OpenAI,
+                                                                                 gateway: str):
+    """The text and the completion fit; the image's 16 tokens (the card's tokens_per_image) do not: the same
+    400 the text-only length check gives, before anything is queued."""
+    messages = chat(image_part(data_url(png())))
+    counted = tokenized(gateway, messages)
+    room = counted["max_model_len"] - counted["count"]  # counted with the image's 16 tokens; its text alone
+    # (the placeholder one token) and room + 1 completion tokens would fit
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=room + 1)  # type: ignore[arg-type]
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "context_length_exceeded", error
+    assert f"{counted['count']} in the messages with its 1 image(s) at 16 tokens each" in error["message"]
+
+
 def test_the_worker_keeps_serving(oai: openai.OpenAI, gateway: str):
     assert_serves_text(oai)
     assert httpx.get(f"{gateway}/healthz", timeout=5).status_code == 200

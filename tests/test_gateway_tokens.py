@@ -259,6 +259,18 @@ def test_a_malformed_request_is_a_400_naming_the_field(gateway: str, body: dict[
     assert error["param"] == param and words in error["message"]
 
 
+@pytest.mark.parametrize("message, param", [
+    ({"role": "user", "content": "Hi", "nmae": "ann"}, "messages[0].nmae"),
+    ({"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {}}]},
+     "messages[0].content[0].cache_control"),
+], ids=["message", "content-part"])
+def test_an_unknown_key_in_a_message_is_a_400_naming_it(gateway: str, message: dict[str, Any], param: str):
+    """As POST /v1/chat/completions refuses it (tests/test_gateway_nested_params.py)."""
+    error = error_of(post(gateway, "/tokenize", {"messages": [message]}), 400)
+    assert (error["code"], error["param"]) == ("unknown_parameter", param)
+    assert f"'{param}'" in error["message"]
+
+
 def test_a_chat_the_template_refuses_is_a_400(gateway: str):
     messages = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late"}]
     error = error_of(post(gateway, "/tokenize", {"messages": messages}), 400)

@@ -1,5 +1,6 @@
 """Image jobs in the engine (issue 27): generator.vision (engine/vision/images.py) turns decoded images into
-keyed Embeddings and expand_image_placeholders puts them in the prompt; greedy output equals transformers'
+keyed Embeddings (prepared, and encoded when the generator admits the job) and expand_image_placeholders
+puts them in the prompt; greedy output equals transformers'
 LlavaForConditionalGeneration.generate on a random-weight LLaVA directory (genq_dev/tiny_vlm.py), alone and
 batched with text-only jobs, with and without prefix caching, through preemption. Equal images are encoded
 once and share prompt pages; different images never do."""
@@ -70,13 +71,15 @@ def hf_generate(hf: Any, vision: ImageEncoder, ids: list[int], images: list[Imag
 
 
 def image_jobs(generator: Generator, prompts: dict[str, tuple[list[int], list[Image.Image]]]) -> list[Job]:
-    """One Job per prompt: its images encoded together (generator.vision), the placeholders expanded."""
+    """One Job per prompt: its images prepared (generator.vision; the generator encodes them when it admits
+    the job), the placeholders expanded."""
     vision = vision_of(generator)
-    names = list(prompts)
-    encoded = vision.encode([prompts[name][1] for name in names])
-    return [Job(expand_image_placeholders(prompts[name][0], embeddings, vision.image_token_id), NEW_TOKENS,
-                stop_conditions=[], embeddings=embeddings, identifier=name)
-            for name, embeddings in zip(names, encoded, strict=True)]
+    jobs = []
+    for name, (ids, images) in prompts.items():
+        embeddings = vision.prepare(images)
+        jobs.append(Job(expand_image_placeholders(ids, embeddings, vision.image_token_id), NEW_TOKENS,
+                        stop_conditions=[], embeddings=embeddings, identifier=name))
+    return jobs
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])

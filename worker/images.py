@@ -9,17 +9,16 @@ work, and the one hand-off to the vision side.
   model that takes no images, too many images, a prompt whose placeholders do not match). Each
   refusal is a ProtocolError naming the image's field path, so malformed base64, a decompression
   bomb or a file that is not an image never reaches the vision tower.
-- `prepare_images`: decoded images -> the job's embeddings, from the generator's ImageEncoder
-  (engine/vision/images.py: the tower run once per distinct image, keyed by content so equal images
-  share prompt pages). It runs on the task's thread, one request at a time (ENCODE_LOCK): requests
-  are not yet batched together through the tower, and Gemma 3 is refused (its image tokens attend
-  both ways, which the engine's attention does not do yet).
+- `prepare_images`: decoded images -> the job's embeddings before the tower ran, from the
+  generator's ImageEncoder (engine/vision/images.py: preprocessed and keyed by content on the task's
+  thread, so equal images share prompt pages); the engine runs the tower when it admits the job, over
+  the images of every job admitted in that step together (engine/encoder_inputs.py). Gemma 3 is
+  refused (its image tokens attend both ways, which the engine's attention does not do yet).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 from PIL import Image
 
@@ -33,8 +32,6 @@ log = logging.getLogger(__name__)
 IMAGE_LIMITS = ImageLimits(max_bytes=MAX_IMAGE_BYTES, max_pixels=MAX_IMAGE_PIXELS)
 NOT_YET = ("images: this worker's model (Gemma 3) takes images, but the engine cannot run them token for token "
            "as transformers does yet (an image's tokens attend to each other both ways): the request was not run")
-ENCODE_LOCK = threading.Lock()
-"""One request's images through the vision tower at a time."""
 
 
 class ImagesNotReady(RuntimeError):
@@ -86,10 +83,9 @@ def decode_images(request: GenerationRequest, support: ImageSupport | None) -> l
 
 
 def prepare_images(decoded: list[Image.Image], generator: Generator) -> list[Embedding]:
-    """The decoded images' embeddings, in prompt order, for build_job to place (ImagesNotReady for a
-    model whose image jobs the engine cannot run yet)."""
+    """The decoded images' embeddings, in prompt order, for build_job to place; the engine fills their
+    vectors when it admits the job (ImagesNotReady for a model whose image jobs it cannot run yet)."""
     encoder = generator.vision
     if encoder is None or encoder.tower.config.projector != "llava":
         raise ImagesNotReady(NOT_YET)
-    with ENCODE_LOCK:
-        return encoder.encode([decoded])[0]
+    return list(encoder.prepare(decoded))

@@ -1,5 +1,10 @@
 """ImageEncoder: decoded images of several jobs -> keyed Embeddings, the tower run once per distinct image.
 
+A service prepares a job's images where it builds the job (`prepare`: preprocessing and the content key,
+off the engine loop) and the generator encodes them when it admits the job (`encode_deferred`: every
+deferred image of a step's admissions in one tower call, an image whose vectors a live job already holds
+taken from it), as vLLM v1 schedules encoder inputs with the step. `encode` runs the tower at once.
+
 Each image is preprocessed as the model's Hugging Face processor does (engine/vision/processing.py), then
 named by a content key: sha256 of its pixel values and the encoder's identity. Images with equal keys are
 encoded once, in one batch with every other distinct image of the call, on the tower's device and dtype,
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,13 +29,25 @@ import numpy as np
 import torch
 from PIL import Image
 
-from engine.embeddings import Embedding
+from engine.embeddings import DeferredEmbedding, Embedding
 from engine.errors import ModelLoadError
 from engine.vision.loading import load_vision_tower
 from engine.vision.processing import ImageProcessor, image_processor_from_config
 from engine.vision.tower import VisionTower
 
 _encoders = itertools.count()
+
+
+class PendingImage(DeferredEmbedding):
+    """One image's preprocessed pixels and content key, its vectors to come from `encoder`'s tower."""
+
+    def __init__(self, pixels: np.ndarray, key: str, encoder: ImageEncoder) -> None:
+        super().__init__(encoder.tokens_per_image, encoder.tower.config.text_hidden_size, key, encoder)
+        self.pixels: np.ndarray | None = pixels
+
+    def fill(self, vectors: torch.Tensor) -> None:
+        super().fill(vectors)
+        self.pixels = None  # the tower has seen them; a preempted job recomputes from the vectors
 
 
 class ImageEncoder:
@@ -43,6 +61,8 @@ class ImageEncoder:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.tower_batches = 0  # forward calls of the tower
         self.images_encoded = 0  # distinct images those calls encoded
+        # the encoder cache: key -> the vectors of an image some live job holds
+        self._cached: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu",
@@ -76,6 +96,15 @@ class ImageEncoder:
         digest.update(pixels.data)
         return f"image:{digest.hexdigest()}"
 
+    def prepare(self, images: Sequence[Image.Image]) -> list[PendingImage]:
+        """One job's images, preprocessed and keyed, in order: the job's embeddings before the tower runs
+        (their ids are known, so the prompt can be expanded and the job admitted)."""
+        prepared = []
+        for image in images:
+            pixels = self.processor.pixels(image)
+            prepared.append(PendingImage(pixels, self.key(pixels), self))
+        return prepared
+
     def encode(self, images: Sequence[Sequence[Image.Image]]) -> list[list[Embedding]]:
         """Per job, per image: its Embedding ([tokens_per_image, text hidden size] on the tower's device).
         The tower runs once, over the distinct images of all the jobs together."""
@@ -91,12 +120,39 @@ class ImageEncoder:
             keyed.append(keys)
         if not distinct:
             return [[] for _ in keyed]
-        batch = torch.from_numpy(np.stack(list(distinct.values()))).to(self.device, self.dtype)
+        by_key = {key: Embedding(rows, key=key) for key, rows in self._run_tower(distinct).items()}
+        return [[by_key[key] for key in keys] for keys in keyed]
+
+    def encode_deferred(self, embeddings: Sequence[DeferredEmbedding]) -> None:
+        """Fill the vectors of PendingImages (of this encoder): those a live job already holds from the
+        encoder cache, the rest in one tower call over their distinct images."""
+        vectors: dict[str, torch.Tensor] = {}
+        distinct: dict[str, np.ndarray] = {}
+        for embedding in embeddings:
+            if not isinstance(embedding, PendingImage) or embedding.encoder is not self:
+                raise ValueError(f"embedding {embedding.key!r} is not an image this encoder prepared")
+            key = embedding.key
+            assert key is not None, "a PendingImage has its content key"
+            cached = self._cached.get(key)
+            if cached is not None:
+                vectors[key] = cached
+            elif embedding.pixels is not None:
+                distinct.setdefault(key, embedding.pixels)
+        if distinct:
+            vectors |= self._run_tower(distinct)
+        for embedding in embeddings:
+            if not embedding.encoded:
+                assert embedding.key is not None
+                embedding.fill(vectors[embedding.key])
+                self._cached[embedding.key] = vectors[embedding.key]
+
+    def _run_tower(self, pixels: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """One tower forward over the images: key -> its rows."""
+        batch = torch.from_numpy(np.stack(list(pixels.values()))).to(self.device, self.dtype)
         features = self.tower(batch)
         self.tower_batches += 1
-        self.images_encoded += len(distinct)
-        by_key = {key: Embedding(rows, key=key) for key, rows in zip(distinct, features, strict=True)}
-        return [[by_key[key] for key in keys] for keys in keyed]
+        self.images_encoded += len(pixels)
+        return dict(zip(pixels, features, strict=True))
 
 
 def expand_image_placeholders(input_ids: Sequence[int], embeddings: Sequence[Embedding],

@@ -306,7 +306,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         return await _chat(gateway, request, body)
 
     app.include_router(tokens_router(gateway.limits, partial(check_model, settings),
-                                     partial(parse_request, gateway.constraints, status=400)),
+                                     partial(parse_request, gateway.constraints, status=400), settings),
                        dependencies=[Depends(_gateway_token)])
 
     # FastAPI's documented way to customise the schema is to replace the method.

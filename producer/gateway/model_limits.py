@@ -13,6 +13,9 @@ Checked, on the OpenAI endpoints and on `POST /v1/tasks`:
   `allowed_token_ids`) inside the vocabulary: `invalid_request` naming the field;
 - `messages` only for a model with a chat template;
 - prompt tokens + max_new_tokens within max_seq_len: `context_length_exceeded` (OpenAI's code).
+  Each image counts the card's tokens_per_image: its placeholder token in the prompt or the rendered
+  chat becomes that many (LLaVA's expansion, exact; a family that adds tokens around an image gets
+  a lower bound).
   A `prompt` is counted exactly: the workers' own tokenizer (its `tokenizers` JSON) and their
   BOS rule (worker/jobs.py). `input_ids` are counted as given. For `messages` the check renders no
   chat template (only /tokenize does), so it counts a lower bound: the tokens of the system and user contents
@@ -107,6 +110,13 @@ class PromptTokenizer:
         if self.add_bos and self.bos_token_id is None:
             raise ValueError("the workers' model card does not name the BOS token's id (they predate it)")
         return with_bos(ids, self.add_bos, self.bos_token_id)
+
+    def expand_images(self, ids: list[int], images: ImageSupport) -> list[int]:
+        """`ids` with each image placeholder token repeated tokens_per_image times, as LlavaProcessor
+        expands `<image>` (the worker puts the image's rows there)."""
+        placeholder = self.backend.token_to_id(images.placeholder)
+        return [expanded for token in ids
+                for expanded in ([token] * images.tokens_per_image if token == placeholder else [token])]
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens included (as vLLM's /detokenize gives it)."""
@@ -276,12 +286,15 @@ async def check_request(limits: ModelLimits, request: GenerationRequest, *, stat
         problem = "messages: this model has no chat template; send prompt or input_ids"
         raise ApiError(status, "invalid_request", problem, param="messages", problems=[problem])
     field, prompt_tokens, exact = await _prompt_tokens(limits, request)
+    prompt_tokens += image_tokens(limits, request)
     completion = request.max_new_tokens
     if prompt_tokens + completion <= limits.max_seq_len:
         return
     prompt_name, max_name = names.get(field, field), names.get("max_new_tokens", "max_new_tokens")
     at_least = "" if exact else "at least "
     counted = "" if exact else " (their text alone; the chat template adds more)"
+    if limits.images is not None and (images := len(request.image_inputs())):
+        counted += f" with its {images} image(s) at {limits.images.tokens_per_image} tokens each"
     raise ApiError(
         status, "context_length_exceeded",
         f"This model's maximum context length is {limits.max_seq_len} tokens, but this request needs "
@@ -290,8 +303,16 @@ async def check_request(limits: ModelLimits, request: GenerationRequest, *, stat
         param=max_name if completion >= limits.max_seq_len else prompt_name)
 
 
-def _chat_tokens(tokenizer: PromptTokenizer, chat: ChatTemplate, request: GenerationRequest) -> int:
-    return len(tokenizer.rendered_ids(render_messages(request, chat)))
+def _chat_tokens(tokenizer: PromptTokenizer, chat: ChatTemplate, request: GenerationRequest,
+                 image_placeholder: str | None) -> int:
+    return len(tokenizer.rendered_ids(render_messages(request, chat, image_placeholder)))
+
+
+def image_tokens(limits: ModelLimits, request: GenerationRequest) -> int:
+    """The tokens the request's images add to its text's count: each image's placeholder token
+    becomes tokens_per_image tokens (the card's), as the worker expands it (worker/jobs.py)."""
+    images = len(request.image_inputs())
+    return images * (limits.images.tokens_per_image - 1) if images and limits.images is not None else 0
 
 
 def _token_ids(request: GenerationRequest) -> Iterator[tuple[str, int]]:
@@ -319,12 +340,11 @@ async def _prompt_tokens(limits: ModelLimits, request: GenerationRequest) -> tup
         return "prompt", count, True
     if tokenizer is None:
         return "messages", 1, False
-    # A chat with images is bounded by its text only: how a template renders image parts and how
-    # many tokens each image becomes are the worker's (it checks the context with them).
-    if limits.chat is not None and (tokenizer.bos_token_id is not None or not tokenizer.add_bos) \
-            and not request.image_inputs():
+    if limits.chat is not None and (tokenizer.bos_token_id is not None or not tokenizer.add_bos):
+        placeholder = limits.images.placeholder if limits.images is not None else None
         try:
-            return "messages", await anyio.to_thread.run_sync(_chat_tokens, tokenizer, limits.chat, request), True
+            count = await anyio.to_thread.run_sync(_chat_tokens, tokenizer, limits.chat, request, placeholder)
+            return "messages", count, True
         except (ProtocolError, ValueError):
             pass
     contents = [m.text for m in request.messages or () if m.role in BOUNDED_ROLES]

@@ -186,6 +186,17 @@ class _Nested(BaseModel):
         return [f"{path}.{key_name(key)}" for key in self.model_extra or {} if key not in self.ACCEPTED]
 
 
+def refuse_unknown(unknown: list[str], ignore_unknown: bool) -> None:
+    """UnknownParameter naming the first of `unknown` (dotted paths), or, under
+    GENQ_GATEWAY_IGNORE_UNKNOWN_PARAMS, a log line."""
+    if unknown and ignore_unknown:
+        log.info("ignoring unknown parameters: %s", ", ".join(unknown))
+    elif unknown:
+        raise UnknownParameter(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
+                                           f"{', '.join(repr(name) for name in unknown)} (neither OpenAI's nor a "
+                                           "genq extension; docs/gateway.md lists them)")
+
+
 def key_name(key: str) -> str:
     """A key as a refusal can show it (as the protocol's field names): a hostile one (a lone
     surrogate cannot be encoded as UTF-8) escaped, a long one cut."""
@@ -331,13 +342,7 @@ class _CommonParams(BaseModel):
         if extras.get("modalities") not in (None, ["text"]):
             raise UnsupportedParameter("modalities", f'only ["text"] is supported, got {extras["modalities"]!r}')
         unknown = sorted(set(extras) - IGNORED_PARAMS.keys() - REFUSED_PARAMS.keys() - {"modalities"})
-        unknown += self._unknown_nested_keys()
-        if unknown and ignore_unknown:
-            log.info("ignoring unknown parameters: %s", ", ".join(unknown))
-        elif unknown:
-            raise UnknownParameter(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
-                                               f"{', '.join(repr(name) for name in unknown)} (neither OpenAI's nor a "
-                                               "genq extension; docs/gateway.md lists them)")
+        refuse_unknown(unknown + self._unknown_nested_keys(), ignore_unknown)
 
     def _unknown_nested_keys(self) -> list[str]:
         """The keys inside the request's objects that nobody defines, by their dotted paths

@@ -2,7 +2,10 @@
 model card (producer/model_card.py): the workers' tokenizer, BOS rule and chat templates. No task
 is queued, so they answer while every worker is busy, and a chat is rendered with the one copy
 the worker renders it with (producer/chat_rendering.py), so `count` is the prompt_tokens the
-worker would report for the same request.
+worker would report for the same request. A chat's image_url parts are checked and fetched as the
+chat endpoint does (producer/gateway/images.py) and each image's placeholder token counts
+tokens_per_image times (the card's), as the worker expands it; its unknown keys are refused as the
+chat endpoint refuses them.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from producer.chat_rendering import render_messages
 from producer.gateway.errors import ApiError, ErrorBody
+from producer.gateway.images import ImageRefused, image_url_parts, resolve_images
 from producer.gateway.model_limits import CardReader, ModelLimits, PromptTokenizer
-from producer.gateway.openai_api import ChatMessageParam, UnsupportedParameter
+from producer.gateway.openai_api import TOOL_SHAPE, ChatMessageParam, UnsupportedParameter, refuse_unknown, unknown_keys
+from producer.gateway.settings import GatewaySettings
 from producer.model_card import CARD_TTL_S
 from producer.protocol import GenerationRequest, ProtocolError
 
@@ -68,8 +73,10 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def tokens_router(cards: CardReader, check_model: Callable[[str], None], parse: RequestParser) -> APIRouter:
-    """The two endpoints, reading the card through `cards` (the gateway's CardReader)."""
+def tokens_router(cards: CardReader, check_model: Callable[[str], None], parse: RequestParser,
+                  settings: GatewaySettings) -> APIRouter:
+    """The two endpoints, reading the card through `cards` (the gateway's CardReader); `settings`: the
+    unknown-key and image-fetch settings the chat endpoint uses too."""
     router = APIRouter()
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=RESPONSES)
@@ -86,12 +93,14 @@ def tokens_router(cards: CardReader, check_model: Callable[[str], None], parse: 
             add_bos = None if body.add_special_tokens in (None, True) else False
             ids = await _encode(tokenizer.prompt_ids, body.prompt, add_bos)
         elif body.messages is not None and body.prompt is None:
-            request = await parse(_chat_fields(body))
+            request = await parse(await _chat_fields(body, limits, settings))
             text = await anyio.to_thread.run_sync(_render, limits, request)
             if body.add_special_tokens:
                 ids = await _encode(tokenizer.prompt_ids, text, None)
             else:
                 ids = await _encode(tokenizer.rendered_ids, text)
+            if limits.images is not None and request.image_inputs():
+                ids = tokenizer.expand_images(ids, limits.images)
         else:
             raise ApiError(400, "invalid_request", "prompt|messages: give exactly one of prompt and messages",
                            param="prompt")
@@ -130,13 +139,28 @@ async def _card(cards: CardReader) -> tuple[ModelLimits, PromptTokenizer]:
     return limits, limits.tokenizer
 
 
-def _chat_fields(body: TokenizeRequest) -> dict[str, Any]:
-    """The protocol fields of the chat request whose prompt /tokenize encodes."""
+async def _chat_fields(body: TokenizeRequest, limits: ModelLimits, settings: GatewaySettings) -> dict[str, Any]:
+    """The protocol fields of the chat request whose prompt /tokenize encodes: unknown keys in its
+    messages, their parts and its tools refused, its images fetched and checked, as POST
+    /v1/chat/completions does."""
+    messages = body.messages or []
     try:
-        messages = [message.fields(index) for index, message in enumerate(body.messages or ())]
+        unknown = [key for index, message in enumerate(messages) for key in message.unknown_keys(f"messages[{index}]")]
+        unknown += [key for index, tool in enumerate(body.tools or ()) if tool.get("type", "function") == "function"
+                    for key in unknown_keys(tool, TOOL_SHAPE, f"tools[{index}]")]  # the protocol refuses the rest
+        refuse_unknown(unknown, settings.ignore_unknown_params)
+        images = await resolve_images(image_url_parts(messages), limits.images, True,
+                                      allow_private=settings.image_url_allow_private_hosts,
+                                      fetch_timeout_s=settings.image_fetch_timeout_s)
+        by_message: dict[int, dict[int, dict[str, Any]]] = {}
+        for (message_index, part), image in images.items():
+            by_message.setdefault(message_index, {})[part] = image
+        fields: dict[str, Any] = {"messages": [message.fields(index, by_message.get(index))
+                                               for index, message in enumerate(messages)], "max_new_tokens": 1}
     except UnsupportedParameter as error:
         raise ApiError(400, error.code, str(error), param=error.param) from None
-    fields: dict[str, Any] = {"messages": messages, "max_new_tokens": 1}
+    except ImageRefused as error:
+        raise ApiError(400, "invalid_image", str(error), param=error.param) from None
     for name in CHAT_ONLY:
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
@@ -154,7 +178,7 @@ def _render(limits: ModelLimits, request: GenerationRequest) -> str:
                        "predate publishing it, or workers with different templates serve the queue)",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
     try:
-        return render_messages(request, limits.chat)
+        return render_messages(request, limits.chat, limits.images.placeholder if limits.images is not None else None)
     except ProtocolError as error:
         problem = error.problems[0]
         raise ApiError(400, "invalid_request", problem, param=problem.split(":", 1)[0], problems=error.problems) \
