@@ -28,7 +28,7 @@ _lora_add_impl = dispatched(lora_add_reference, "triton_lora", "lora_add")
 
 def _check(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tokens: torch.Tensor) -> None:
     """What the real and the fake operator reject from metadata."""
-    check_devices("lora_add", "out", out, x=x, a=a, b=b, tokens=tokens)
+    check_devices("lora_add", "x", x, out=out, a=a, b=b, tokens=tokens)
     if a.shape[1] != x.shape[1] or b.shape[1] != a.shape[0] or b.shape[0] != out.shape[1] \
             or out.shape[0] != x.shape[0]:
         raise ValueError(f"genq::lora_add: x {tuple(x.shape)}, A {tuple(a.shape)}, B {tuple(b.shape)} and out "
