@@ -24,6 +24,7 @@ from engine import Generator, Job
 from engine.cache import ROOT_HASH, KVCache, page_hash
 from engine.errors import AdapterLoadError, JobRejected
 from engine.lora import LoraBatch, load_adapter
+from engine.quantized_linear import quantize_weight
 from engine.weights import load_model
 from tests.engine_runs import run
 from tests.test_engine_vs_transformers import hf_greedy, run_forward
@@ -109,6 +110,29 @@ def test_mixed_batch_greedy_tokens_equal_peft(family_dirs: tuple[Path, dict[str,
         assert finals[i].completion_ids == expected, f"job {i} ({adapter})"
         changed += adapter is not None and expected != peft_greedy(peft_model, None, prompt, 10)
     assert changed == 4, "every adapter job's tokens differ from the base model's"
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_base_weights_with_adapters_equal_peft_over_the_same_weights(
+        family_dirs: tuple[Path, dict[str, Path]], quantize: str) -> None:
+    """The delta is added to whatever the quantized base linear computes: PEFT over a transformers
+    model holding the engine's dequantized projection weights gives the same greedy tokens."""
+    base_dir, adapters = family_dirs
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] in ALL_TARGETS:
+                module.weight.copy_(quantize_weight(module.weight, quantize).dequantize())
+    reference = PeftModel.from_pretrained(hf, adapters["full"], adapter_name="full").eval()
+    generator = generator_with_adapters(base_dir, {"full": adapters["full"]}, quantize=quantize)
+    vocab = generator.model.config.vocab_size
+    rng = random.Random(8)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (4, 13, 9)]
+    choices = ["full", None, "full"]
+    finals = run(generator, [Job(prompt, 8, stop_conditions=[], identifier=i, adapter=choices[i])
+                             for i, prompt in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert finals[i].completion_ids == peft_greedy(reference, choices[i], prompt, 8), f"job {i}"
 
 
 def test_mixed_forward_logits_within_1e4_of_peft(family_dirs: tuple[Path, dict[str, Path]],
