@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,7 +43,7 @@ def save_peft_adapter(base_dir: Path, out: Path, seed: int, **options: object) -
     """A PEFT adapter with random A and B (init_lora_weights=False), saved with save_pretrained."""
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **options))  # type: ignore[arg-type]
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **options))
     model.save_pretrained(out)
     return out
 
@@ -192,7 +191,7 @@ def test_prefix_pages_shared_within_an_adapter_never_across(family_dirs: tuple[P
     assert [cached("full"), cached("full"), cached("rs"), cached(None), cached("rs"), cached(None)] == \
         [0, full_pages, 0, 0, full_pages, full_pages]
     first_page = prompt[:PAGE_SIZE]
-    digests = {name: generator.adapters.resolve(name).digest for name in adapters}  # type: ignore[union-attr]
+    digests = {name: generator.adapters.resolve(name).digest for name in adapters}
     roots = [ROOT_HASH, *digests.values()]
     assert len(set(roots)) == len(roots)
     assert all(generator.pool.lookup(page_hash(root, first_page)) is not None for root in roots)
@@ -213,6 +212,8 @@ def test_register_and_unregister_between_steps(family_dirs: tuple[Path, dict[str
     with pytest.raises(JobRejected, match="adapter 'tuned' is not registered"):
         generator.enqueue(Job(prompt, 12, adapter="tuned"))
     generator.adapters.register("tuned", adapters["rs"])
+    with pytest.raises(AdapterLoadError, match="adapter 'tuned' is already registered"):
+        generator.adapters.register("tuned", adapters["full"])
     finals.update(run(generator, [Job(prompt, 12, stop_conditions=[], identifier="new", adapter="tuned")]))
     assert finals["old"].completion_ids == peft_greedy(peft_model, "full", prompt, 12)
     assert finals["new"].completion_ids == peft_greedy(peft_model, "rs", prompt, 12)
@@ -240,6 +241,11 @@ def _truncate(path: Path) -> Path:
     return path
 
 
+def _without_weights(path: Path) -> Path:
+    (path / "adapter_model.safetensors").unlink()
+    return path
+
+
 def _edit_config(path: Path, **changes: object) -> Path:
     config = json.loads((path / "adapter_config.json").read_text())
     (path / "adapter_config.json").write_text(json.dumps({**config, **changes}))
@@ -252,14 +258,15 @@ BAD_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
     "unknown-target": (lambda base, out: save_peft_adapter(base, out, 0, r=4, target_modules=["q_proj", "lm_head"]),
                        "unknown target module.*lm_head"),
     "unknown-target-regex": (lambda base, out: save_peft_adapter(base, out, 0, r=4, target_modules=r".*lm_head"),
-                             "unknown target module 'lm_head'|not a LoRA A/B weight"),
+                             r"tensor 'base_model\.model\.lm_head\.\w+\.weight' is not a LoRA A/B weight of a "
+                             r"decoder layer's projection"),
     "rank-too-large": (lambda base, out: save_peft_adapter(base, out, 0, r=72, target_modules=["v_proj"]),
                        "rank 72 exceeds the maximum LoRA rank 64"),
     "truncated-file": (lambda base, out: _truncate(save_peft_adapter(base, out, 0, r=4, target_modules=["q_proj"])),
                        "truncated or not a safetensors file"),
-    "missing-file": (lambda base, out: shutil.copy(save_peft_adapter(base, out / "src", 0, r=4,
-                                                                     target_modules=["q_proj"]) / "adapter_config.json",
-                                                   out) and out, "adapter_model.safetensors: unreadable"),
+    "missing-file": (lambda base, out: _without_weights(save_peft_adapter(base, out, 0, r=4,
+                                                                          target_modules=["q_proj"])),
+                     "adapter_model.safetensors: unreadable"),
     "dora": (lambda base, out: save_peft_adapter(base, out, 0, r=4, target_modules=["q_proj"], use_dora=True),
              r"DoRA \(use_dora\) is not supported"),
     "bias": (lambda base, out: save_peft_adapter(base, out, 0, r=4, target_modules=["q_proj"], bias="lora_only"),

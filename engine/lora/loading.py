@@ -23,6 +23,7 @@ CONFIG_FILE = "adapter_config.json"
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight -> module name, layer, kind, A/B
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
                   r"(?P<kind>\w+))\.lora_(?P<ab>[AB])\.weight$")
+_Pair = tuple[str, int, str, torch.Tensor, torch.Tensor]  # module name, layer, kind, A, B
 
 
 def load_adapter(path: str | Path, config: ModelConfig, name: str, dtype: torch.dtype,
@@ -44,9 +45,6 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, dtype: torch.
     pairs = _pairs(tensors, config, weights_path)
     digest = hashlib.blake2b((directory / CONFIG_FILE).read_bytes() + data, digest_size=16).digest()
     return _fuse(name, digest, pairs, settings, config, dtype, torch.device(device), weights_path)
-
-
-_Pair = tuple[str, int, str, torch.Tensor, torch.Tensor]  # module name, layer, kind, A, B
 
 
 def _pairs(tensors: dict[str, torch.Tensor], config: ModelConfig, where: Path) -> list[_Pair]:
