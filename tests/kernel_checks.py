@@ -449,6 +449,49 @@ def check_engine() -> None:
             shapes.clear()
 
 
+def check_lora_engine() -> None:
+    """The engine's greedy tokens for a batch mixing a PEFT adapter and the base model, Triton
+    (interpreter) vs the torch reference: the LoRA kernels run inside the model's linears."""
+    import tempfile
+    from pathlib import Path
+
+    from engine import Generator, Job
+    from genq_dev.tiny_model import make_tiny_model
+    from kernels import triton_lora
+    from tests.test_lora import save_peft_adapter
+
+    calls = []
+    original = triton_lora.lora_add
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    triton_lora.lora_add = counted
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp, "llama"), family="llama")
+        adapter = save_peft_adapter(model_dir, Path(tmp, "adapter"), 0, r=8, lora_alpha=16,
+                                    target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+        runs = []
+        for forced in (False, True):
+            os.environ["GENQ_FORCE_TRITON"] = "1" if forced else "0"
+            gen = Generator.from_pretrained(model_dir, cache_tokens=256, page_size=8, max_chunk_size=12)
+            gen.adapters.register("tuned", adapter)
+            jobs = [Job(list(range(40, 40 + n)), 4, stop_conditions=[], identifier=i, adapter=name)
+                    for i, (n, name) in enumerate(((9, "tuned"), (3, None), (14, "tuned")))]
+            for job in jobs:
+                gen.enqueue(job)
+            out: dict[int, list[int]] = {}
+            while gen.num_remaining_jobs():
+                for r in gen.iterate():
+                    out.setdefault(r["identifier"], []).extend(r["token_ids"])
+            runs.append(out)
+            assert bool(calls) == forced, f"forced={forced}: {len(calls)} Triton LoRA calls"
+        os.environ["GENQ_FORCE_TRITON"] = "0"
+    print(f"engine with an adapter: {runs[0]} ({len(calls)} Triton LoRA calls)")
+    assert runs[1] == runs[0], f"triton {runs[1]} != reference {runs[0]}"
+
+
 GROUPS = {
     "rms_norm": check_rms_norm,
     "silu_and_mul": check_silu_and_mul,
@@ -459,6 +502,7 @@ GROUPS = {
     "attention_prefill": check_attention_prefill,
     "engine": check_engine,
     "lora": check_lora,
+    "lora_engine": check_lora_engine,
     "fp8_codec": check_fp8_codec,
     "kv_quant_write": check_kv_quant_write,
     "kv_quant_attention": check_kv_quant_attention,

@@ -36,7 +36,7 @@ def run_python(args: list[str], env_extra: dict[str, str], timeout: float = 300)
 @pytest.mark.parametrize(
     "group",
     ["rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "apply_rope", "write_kv", "attention_decode",
-     "attention_prefill", "lora"],
+     "attention_prefill", "lora", "lora_engine"],
 )
 def test_triton_kernel_matches_reference_in_interpreter(group: str):
     out = run_python([str(CHECKS), group], {"TRITON_INTERPRET": "1"})
