@@ -27,6 +27,7 @@ from engine.quantized_linear import quantize_weight
 from engine.weights import load_model
 from tests.engine_runs import run
 from tests.test_engine_vs_transformers import hf_greedy, run_forward
+from tests.test_speculative import repetitive_prompts
 
 PAGE_SIZE = 8
 FAMILIES = ("llama", "qwen2")
@@ -89,26 +90,27 @@ def generator_with_adapters(base_dir: Path, adapters: dict[str, Path], **options
     return generator
 
 
-@pytest.mark.parametrize("options", [{}, {"use_ngram_draft": True}], ids=["plain", "ngram-speculation"])
+@pytest.mark.parametrize("speculation", ["plain", "ngram", "draft-model"])
 def test_mixed_batch_greedy_tokens_equal_peft(family_dirs: tuple[Path, dict[str, Path]], peft_model: PeftModel,
-                                              options: dict[str, object]) -> None:
+                                              speculation: str) -> None:
+    """With n-gram drafts, and with a draft model (the base model itself, run without the adapters)."""
     base_dir, adapters = family_dirs
+    options: dict[str, object] = {"plain": {}, "ngram": {"use_ngram_draft": True},
+                                  "draft-model": {"draft_model_path": base_dir, "num_draft_tokens": 3}}[speculation]
     generator = generator_with_adapters(base_dir, adapters, **options)
-    vocab = generator.model.config.vocab_size
-    rng = random.Random(28)
     choices: list[str | None] = [*adapters, None]
-    # repeated phrases give the n-gram drafter something to propose
-    prompts = [[rng.randrange(vocab) for _ in range(n)] * 2 for n in (3, 5, PAGE_SIZE, 11, 17, 2)]
-    jobs = [Job(prompt, 10, stop_conditions=[], identifier=i, adapter=choices[i % len(choices)])
+    prompts = repetitive_prompts()  # repeated phrases give the n-gram drafter something to propose
+    jobs = [Job(prompt, 16, stop_conditions=[], identifier=i, adapter=choices[i % len(choices)])
             for i, prompt in enumerate(prompts)]
     finals = run(generator, jobs)
     changed = 0
     for i, prompt in enumerate(prompts):
         adapter = choices[i % len(choices)]
-        expected = peft_greedy(peft_model, adapter, prompt, 10)
+        expected = peft_greedy(peft_model, adapter, prompt, 16)
         assert finals[i].completion_ids == expected, f"job {i} ({adapter})"
-        changed += adapter is not None and expected != peft_greedy(peft_model, None, prompt, 10)
+        changed += adapter is not None and expected != peft_greedy(peft_model, None, prompt, 16)
     assert changed == 4, "every adapter job's tokens differ from the base model's"
+    assert (generator.stats.drafted_tokens > 0) == (speculation != "plain")
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
