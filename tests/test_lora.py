@@ -1,5 +1,5 @@
 """LoRA adapters (issue 28) against PEFT applied to transformers: random adapters PEFT itself
-initialises (init_lora_weights=False: B is not zero) and saves, on tiny random models of two
+initialises (init_lora_weights=False: B is not zero) and saves, on tiny random models of three
 families. Greedy tokens and logits of batches mixing two adapters and the base model; PEFT's
 scalings (lora_alpha, rsLoRA, rank and alpha patterns); prefix pages shared within an adapter
 only; every bad adapter refused naming its problem; adapters registered and unregistered between
@@ -26,11 +26,12 @@ from engine.lora import LoraBatch, load_adapter
 from engine.quantized_linear import quantize_weight
 from engine.weights import load_model
 from tests.engine_runs import run
-from tests.test_engine_vs_transformers import hf_greedy, run_forward
+from tests.test_engine_vs_transformers import VARIANTS, hf_greedy, model_dir, run_forward
 from tests.test_speculative import repetitive_prompts
 
 PAGE_SIZE = 8
-FAMILIES = ("llama", "qwen2")
+# Gemma 2 (transformers-initialised): sandwich norms, gelu-tanh, soft-capping, sliding layers
+FAMILIES = ("llama", "qwen2", "gemma2")
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> LoraConfig options: every projection with alpha / r; rsLoRA on a few, with rank and alpha patterns
 ADAPTERS: dict[str, dict[str, object]] = {
@@ -51,9 +52,11 @@ def save_peft_adapter(base_dir: Path, out: Path, seed: int, **options: object) -
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dirs(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
+                hf_model_factory: Callable[..., Path],
                 tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
     """(base model dir, adapter name -> adapter dir) of one family."""
-    base = tiny_model_factory(request.param)
+    variant = next(v for v in VARIANTS if v.name == request.param)
+    base = model_dir(variant, tiny_model_factory, hf_model_factory)
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     adapters = {name: save_peft_adapter(base, root / name, seed, **options)
                 for seed, (name, options) in enumerate(ADAPTERS.items())}
