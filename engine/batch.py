@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.lora.batch import LoraBatch
+
 
 @dataclass
 class ForwardBatch:
@@ -18,6 +20,7 @@ class ForwardBatch:
     logits_indices: [N] rows of T whose next-token logits are wanted.
     embeddings: optional (rows [M], vectors [M, hidden]) that replace the
     token embeddings of those rows (a job's Embedding objects).
+    lora: the step's tokens grouped by LoRA adapter, None when every row runs the base model.
     """
 
     input_ids: torch.Tensor
@@ -28,6 +31,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     logits_indices: torch.Tensor
     embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    lora: LoraBatch | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,3 +15,8 @@ class JobRejected(ValueError):
 
 class QueueFull(RuntimeError):
     """enqueue() was called with max_pending jobs already waiting; retry later (backpressure)."""
+
+
+class AdapterLoadError(ValueError):
+    """A LoRA adapter directory the engine refuses: a missing or unreadable file, a shape that does
+    not fit the base model, an unknown target module, a rank past the limit, an unsupported option."""

@@ -37,6 +37,7 @@ from engine.errors import JobRejected, QueueFull
 from engine.job import Job
 from engine.kv_manager import KVManager
 from engine.loading import check_draft_pair, load_engine
+from engine.lora import AdapterRegistry, LoraAdapter
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, ProcessedStep, StepTokens
@@ -122,6 +123,8 @@ class Generator:
         self._seed_source = random.Random(config.seed)
         self.counters = StepCounters()
         self.vision: ImageEncoder | None = None  # a vision-language model's images -> Embeddings
+        # LoRA adapters jobs may name (Job(adapter=...)): register / unregister between iterate() calls
+        self.adapters = AdapterRegistry(model.config, model.embed_tokens.weight.dtype, self.device)
 
     @property
     def pool(self) -> PagePool:
@@ -155,12 +158,14 @@ class Generator:
                             f"max_pending={self.max_pending}")
         for each in jobs:
             admit(each, self.limits)
-        serials = [self._enqueue(each) for each in jobs]
+        adapters = [self.adapters.resolve(each.adapter) for each in jobs]
+        serials = [self._enqueue(each, adapter) for each, adapter in zip(jobs, adapters, strict=True)]
         return serials[0] if isinstance(job, Job) else serials
 
-    def _enqueue(self, job: Job) -> int:
-        """Queue the job; a constrained one waits until its grammar has started on a compile thread
-        (_admit_prepared), so a slow grammar never holds up the loop."""
+    def _enqueue(self, job: Job, adapter: LoraAdapter | None) -> int:
+        """Queue the job (with the LoRA adapter it names, held until it ends); a constrained one waits
+        until its grammar has started on a compile thread (_admit_prepared), so a slow grammar never
+        holds up the loop."""
         stop_ids = job.stop_token_ids if job.stop_token_ids is not None else frozenset(self.tokenizer.eos_token_ids)
         serial = job.serial = self._next_serial
         self._next_serial += 1
@@ -168,7 +173,7 @@ class Generator:
         prompt = list(job.input_ids)
         healed = prompt.pop() if job.token_healing and len(prompt) > 1 and prompt[-1] not in job.embedding_rows \
             else None
-        sequence = Sequence(job, serial, prompt, len(prompt), time.monotonic())
+        sequence = Sequence(job, serial, prompt, len(prompt), time.monotonic(), adapter=adapter)
         self.outputs.add(sequence, stop_ids, healed)
         self._sequences[serial] = sequence
         if job.constraint is not None:

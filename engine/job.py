@@ -34,7 +34,9 @@ class Job:
     `prompt_logprobs=k` (vLLM's) scores every prompt token given the tokens before it, with its
     k best alternatives, from the raw model distribution (log_softmax of the logits: no bias,
     penalty or temperature); the prefill computes them, so such a prompt is never read from the
-    prefix cache (engine/prompt_logprobs.py)."""
+    prefix cache (engine/prompt_logprobs.py).
+    `adapter` names a LoRA adapter registered on the generator (generator.adapters; None: the base
+    model); enqueue refuses a name not registered then (docs/engine.md, Adapters)."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class Job:
         max_skips: int | None = None,
         banned_strings: Iterable[str] | str = (),
         token_healing: bool = False,
+        adapter: str | None = None,
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -108,6 +111,9 @@ class Job:
         self.max_skips = max_skips
         self.banned_strings = _banned_strings(banned_strings)
         self.token_healing = bool(token_healing)
+        if adapter is not None and (not isinstance(adapter, str) or not adapter):
+            raise ValueError(f"adapter must be None or a non-empty adapter name, got {adapter!r}")
+        self.adapter = adapter
         self.serial: int | None = None
 
     def samples(self, n: int) -> list[Job]:

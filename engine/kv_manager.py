@@ -112,9 +112,11 @@ class KVManager:
         size = self.page_size
         hashes = sequence.page_hashes
         tokens = sequence.token_ids
+        # a LoRA adapter's content digest roots its jobs' chains: pages shared within an adapter only
+        root = sequence.adapter.digest if sequence.adapter is not None else ROOT_HASH
         while len(hashes) < count:
             k = len(hashes)
-            hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, tokens[k * size : (k + 1) * size]))
+            hashes.append(page_hash(hashes[-1] if hashes else root, tokens[k * size : (k + 1) * size]))
 
     def forget_hashes_past(self, sequence: Sequence, num_tokens: int) -> None:
         """The sequence's tokens were cut back to num_tokens: drop the hashes of pages past them."""

@@ -16,6 +16,7 @@ from torch import nn
 import kernels
 from engine.batch import ForwardBatch
 from engine.config import ModelConfig
+from engine.lora.batch import LoraBatch
 
 
 class RMSNorm(nn.Module):
@@ -43,6 +44,7 @@ def act_and_mul(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -69,7 +71,10 @@ class Attention(nn.Module):
         k_cache, v_cache = self.k_cache, self.v_cache
         if k_cache is None or v_cache is None:
             raise RuntimeError("no KV cache bound to the model: call CausalLM.bind_cache(cache) first")
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if batch.lora is not None:
+            qkv = batch.lora.add(qkv, x, self.layer, "qkv_proj")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -93,15 +98,23 @@ class Attention(nn.Module):
             self.k_scales,
             self.v_scales,
         )
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        if batch.lora is None:
+            return self.o_proj(out)
+        return batch.lora.add(self.o_proj(out), out, self.layer, "o_proj")
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.hidden_act = config.hidden_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """lora: the step's adapters, whose deltas the gate/up and down projections add."""
+        if lora is None:
+            return self.down_proj(act_and_mul(self.gate_up_proj(x), self.hidden_act))
+        hidden = act_and_mul(lora.add(self.gate_up_proj(x), x, self.layer, "gate_up_proj"), self.hidden_act)
+        return lora.add(self.down_proj(hidden), hidden, self.layer, "down_proj")

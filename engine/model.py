@@ -26,7 +26,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
-        self.mlp: nn.Module = SparseMoE(config) if config.layer_is_moe(layer) else MLP(config)
+        self.mlp: nn.Module = SparseMoE(config) if config.layer_is_moe(layer) else MLP(config, layer)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
@@ -49,12 +49,19 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(normed, cos, sin, batch)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             normed, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(normed), residual
+            return self._mlp(normed, batch), residual
         # Gemma: the attention and MLP outputs are normed before they join the residual
         hidden, _ = self.post_attention_layernorm(hidden)
         normed, residual = self.pre_feedforward_layernorm(hidden, residual)
-        hidden, _ = self.post_feedforward_layernorm(self.mlp(normed))
+        hidden, _ = self.post_feedforward_layernorm(self._mlp(normed, batch))
         return hidden, residual
+
+    def _mlp(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The MLP, with the step's LoRA deltas when some row runs an adapter (never on MoE layers:
+        adapters that target them are refused at load)."""
+        if batch.lora is None or not isinstance(self.mlp, MLP):
+            return self.mlp(x)
+        return self.mlp(x, batch.lora)
 
 
 class CausalLM(nn.Module):

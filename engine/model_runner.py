@@ -29,6 +29,7 @@ from engine import device_info as devices
 from engine.batch import ForwardBatch
 from engine.cache import KVCache
 from engine.cuda_graphs import DecodeGraphs, graphable
+from engine.lora.batch import LoraBatch
 from engine.model import CausalLM
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
@@ -75,11 +76,16 @@ class BatchBuilder:
         if entry is not None:
             self._free.append(entry[0])
 
-    def build(self, rows: Seq[BatchRow]) -> ForwardBatch:
+    def build(self, rows: Seq[BatchRow], adapters: bool = True) -> ForwardBatch:
+        """adapters=False leaves out the rows' LoRA adapters (the draft model runs without them)."""
         table_rows = np.fromiter((self._table_row(row.sequence) for row in rows), dtype=np.int64, count=len(rows))
         if all(len(row.tokens) == 1 for row in rows) and not any(row.sequence.job.embeddings for row in rows):
-            return self._single_token_rows(rows, table_rows)
-        return self._general(rows, table_rows)
+            batch = self._single_token_rows(rows, table_rows)
+        else:
+            batch = self._general(rows, table_rows)
+        if adapters and any(row.sequence.adapter is not None for row in rows):
+            batch.lora = LoraBatch.build(((row.sequence.adapter, len(row.tokens)) for row in rows), self.device)
+        return batch
 
     def _table_row(self, sequence: Sequence) -> int:
         entry = self._rows.get(sequence.serial)
@@ -203,9 +209,11 @@ class ModelRunner:
         draft model (if any) computes its K/V for the same positions in the same step."""
         batch = self.builder.build(rows)
         model = _bound(self.model, self.cache)
-        logits = self.graphs.run(batch) if self.graphs is not None and self.graphs.supports(batch) else model(batch)
+        graphed = self.graphs is not None and batch.lora is None and self.graphs.supports(batch)
+        logits = self.graphs.run(batch) if graphed and self.graphs is not None else model(batch)
         if self.draft_model is not None and self.draft_cache is not None:
-            no_logits = replace(batch, logits_indices=batch.logits_indices[:0])
+            # the draft model runs without the rows' adapters (its linears have other shapes)
+            no_logits = replace(batch, logits_indices=batch.logits_indices[:0], lora=None)
             _bound(self.draft_model, self.draft_cache)(no_logits)
         return logits
 
@@ -215,7 +223,7 @@ class ModelRunner:
         before it, never read back: engine/spec_decode.py)."""
         if self.draft_model is None or self.draft_cache is None:
             raise RuntimeError("no draft model")
-        batch = self.builder.build(rows)
+        batch = self.builder.build(rows, adapters=False)
         if input_ids is not None:
             batch = replace(batch, input_ids=input_ids)
         return _bound(self.draft_model, self.draft_cache)(batch)

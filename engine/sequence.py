@@ -8,8 +8,12 @@ SamplingState (engine/sampling_state.py), so the layers below the step never see
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.job import Job
+
+if TYPE_CHECKING:
+    from engine.lora.adapter import LoraAdapter
 
 
 @dataclass(eq=False)
@@ -18,8 +22,9 @@ class Sequence:
     cache pages. pages[k] is the physical page of logical page k (kv_manager.HOLE once a sliding
     window released it); the first released_pages entries are holes. page_version moves whenever
     pages change, so batch builders can cache them. prompt_scored: the prompt's log-probabilities
-    are complete (jobs asking for them). Identity, not field equality: the scheduler keeps
-    sequences in sets and dicts."""
+    are complete (jobs asking for them). adapter: the LoRA adapter the job was admitted with (None:
+    the base model), held until the job ends even if its name is unregistered. Identity, not field
+    equality: the scheduler keeps sequences in sets and dicts."""
 
     job: Job
     serial: int
@@ -38,6 +43,7 @@ class Sequence:
     time_first_token: float | None = None
     output_ids: list[int] = field(default_factory=list)
     prompt_scored: bool = False
+    adapter: LoraAdapter | None = None
 
     @property
     def num_generated(self) -> int:

@@ -35,6 +35,7 @@ import torch
 from kernels import ops, reference
 from kernels.dispatch import FORCE_ENV, triton_enabled, triton_module
 from kernels.kv_quant import KV_CACHE_DTYPES, KVCacheFormat, KVFormat, kv_cache_format
+from kernels.lora import lora_add
 
 __all__ = [
     "FORCE_ENV",
@@ -44,6 +45,7 @@ __all__ = [
     "apply_rope",
     "gelu_tanh_and_mul",
     "kv_cache_format",
+    "lora_add",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",

@@ -381,6 +381,31 @@ def _greedy_run(model_dir: str, forced: bool) -> dict[str, list[int]]:
         os.environ.pop("GENQ_FORCE_TRITON", None)
 
 
+def check_lora() -> None:
+    """The grouped LoRA product (kernels/lora.py): a shuffled subset of a batch's rows gathered,
+    through A and B, added to out in place; rows outside the group unchanged bit for bit. bf16 is
+    compared with the reference computed in fp32 and rounded once, as the kernel rounds."""
+    from kernels import lora as lora_ref
+    from kernels import triton_lora as tl_lora
+
+    g = torch.Generator(DEVICE).manual_seed(9)
+    for dtype in DTYPES:
+        for t, k, r, n, group in ((7, 96, 8, 80, 4), (20, 64, 24, 160, 17), (3, 48, 192, 40, 3), (5, 64, 16, 64, 0)):
+            x = torch.randn(t, k, generator=g).to(dtype)
+            a = (0.1 * torch.randn(r, k, generator=g)).to(dtype)
+            b = (0.1 * torch.randn(n, r, generator=g)).to(dtype)
+            out = torch.randn(t, n, generator=g).to(dtype)
+            tokens = torch.randperm(t, generator=g)[:group]
+            got = out.clone()
+            tl_lora.lora_add(got, x, a, b, tokens)
+            want = out.float()
+            lora_ref.lora_add_reference(want, x.float(), a.float(), b.float(), tokens)
+            close(f"lora_add {dtype} T={t} K={k} R={r} N={n} G={group}", got, want.to(dtype), dtype)
+            untouched = torch.ones(t, dtype=torch.bool)
+            untouched[tokens] = False
+            assert torch.equal(got[untouched], out[untouched]), "lora_add wrote rows outside its group"
+
+
 def check_engine() -> None:
     """The whole engine's greedy tokens, Triton (interpreter) vs the torch reference:
     llama and qwen3 (tiny model maker), and Gemma 2 (transformers-initialised:
@@ -424,6 +449,49 @@ def check_engine() -> None:
             shapes.clear()
 
 
+def check_lora_engine() -> None:
+    """The engine's greedy tokens for a batch mixing a PEFT adapter and the base model, Triton
+    (interpreter) vs the torch reference: the LoRA kernels run inside the model's linears."""
+    import tempfile
+    from pathlib import Path
+
+    from engine import Generator, Job
+    from genq_dev.tiny_model import make_tiny_model
+    from kernels import triton_lora
+    from tests.test_lora import save_peft_adapter
+
+    calls = []
+    original = triton_lora.lora_add
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    triton_lora.lora_add = counted
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp, "llama"), family="llama")
+        adapter = save_peft_adapter(model_dir, Path(tmp, "adapter"), 0, r=8, lora_alpha=16,
+                                    target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+        runs = []
+        for forced in (False, True):
+            os.environ["GENQ_FORCE_TRITON"] = "1" if forced else "0"
+            gen = Generator.from_pretrained(model_dir, cache_tokens=256, page_size=8, max_chunk_size=12)
+            gen.adapters.register("tuned", adapter)
+            jobs = [Job(list(range(40, 40 + n)), 4, stop_conditions=[], identifier=i, adapter=name)
+                    for i, (n, name) in enumerate(((9, "tuned"), (3, None), (14, "tuned")))]
+            for job in jobs:
+                gen.enqueue(job)
+            out: dict[int, list[int]] = {}
+            while gen.num_remaining_jobs():
+                for r in gen.iterate():
+                    out.setdefault(r["identifier"], []).extend(r["token_ids"])
+            runs.append(out)
+            assert bool(calls) == forced, f"forced={forced}: {len(calls)} Triton LoRA calls"
+        os.environ["GENQ_FORCE_TRITON"] = "0"
+    print(f"engine with an adapter: {runs[0]} ({len(calls)} Triton LoRA calls)")
+    assert runs[1] == runs[0], f"triton {runs[1]} != reference {runs[0]}"
+
+
 GROUPS = {
     "rms_norm": check_rms_norm,
     "silu_and_mul": check_silu_and_mul,
@@ -433,6 +501,8 @@ GROUPS = {
     "attention_decode": check_attention_decode,
     "attention_prefill": check_attention_prefill,
     "engine": check_engine,
+    "lora": check_lora,
+    "lora_engine": check_lora_engine,
     "fp8_codec": check_fp8_codec,
     "kv_quant_write": check_kv_quant_write,
     "kv_quant_attention": check_kv_quant_attention,

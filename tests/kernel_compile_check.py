@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import triton_kernels as tk  # noqa: E402
+from kernels import triton_lora  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -67,6 +68,14 @@ def check(dt: str) -> None:
     compile_one(f"merge_splits {dt}", tk._merge_splits_kernel, {
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": p, "num_query_heads": "i32", "head_dim": "i32",
         "stride_ot": "i32", "stride_oh": "i32"}, {"NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": 128})
+    blocks = {"BLOCK_M": triton_lora.BLOCK_M, "BLOCK_R": triton_lora.BLOCK_R}
+    compile_one(f"lora shrink {dt}", triton_lora._shrink_kernel, {
+        "x_ptr": p, "a_ptr": p, "tok_ptr": "*i64", "tmp_ptr": "*fp32", "G": "i32", "K": "i32", "R": "i32",
+        "stride_x": "i32", "stride_a": "i32", "stride_t": "i32"},
+        {"IEEE": dt == "fp32", **blocks, "BLOCK_K": triton_lora.BLOCK_K})
+    compile_one(f"lora expand {dt}", triton_lora._expand_kernel, {
+        "tmp_ptr": "*fp32", "b_ptr": p, "tok_ptr": "*i64", "out_ptr": p, "G": "i32", "R": "i32", "N": "i32",
+        "stride_t": "i32", "stride_b": "i32", "stride_o": "i32"}, {**blocks, "BLOCK_N": triton_lora.BLOCK_N})
 
 
 if __name__ == "__main__":

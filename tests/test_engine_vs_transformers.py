@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from engine import Generator, Job
 from engine.batch import ForwardBatch
 from engine.cache import KVCache
+from engine.lora import LoraBatch
 from engine.weights import load_model
 from tests.conftest import FAMILIES
 
@@ -192,7 +193,9 @@ def run_forward(
     tables: list[list[int]],
     starts: list[int],
     ends: list[int],
+    lora: LoraBatch | None = None,
 ) -> torch.Tensor:
+    """The model's logits at each row's last position; lora: the rows' adapters (tests/test_lora.py)."""
     rows = [i for i in range(len(seqs)) if ends[i] > starts[i]]
     ids, positions, slots, cu, logits_at = [], [], [], [0], []
     for i in rows:
@@ -211,6 +214,7 @@ def run_forward(
         page_table=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in rows], dtype=torch.int32),
         slot_mapping=torch.tensor(slots),
         logits_indices=torch.tensor(logits_at),
+        lora=lora,
     )
     model.bind_cache(cache)
     return model(batch)

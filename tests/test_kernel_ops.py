@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kernels
 from engine.quantized_linear import quantize_weight
 from kernels import reference
+from kernels.lora import lora_add_reference
 from kernels.quant_matmul import quant_matmul, quant_matmul_reference
 
 genq = torch.ops.genq
@@ -102,6 +103,9 @@ def _cases() -> list[Case]:
         Case("quant_matmul int8", genq.quant_matmul.default,
              (randn(2, 3, 64, dtype=bf16), q8w.qweight, q8w.scales, q8w.offsets, 8, q8w.group_size, None),
              quant_matmul_reference),
+        Case("lora_add", genq.lora_add.default,
+             (randn(6, 40), randn(6, 64), randn(8, 64), randn(40, 8), torch.tensor([4, 0, 2])), lora_add_reference,
+             (0,)),
     ]
 
 
@@ -208,6 +212,7 @@ def _entry_points(c: dict[str, Case]) -> list[tuple[str, Callable[[], Any]]]:
         ("genq::write_kv", lambda: kernels.write_kv(*c["write_kv k8v4"].args)),
         ("genq::paged_attention", lambda: kernels.paged_attention(*c["paged_attention k8v4"].args)),
         ("genq::quant_matmul", lambda: quant_matmul(*c["quant_matmul int4"].args)),
+        ("genq::lora_add", lambda: kernels.lora_add(*c["lora_add"].args)),
     ]
 
 

@@ -107,8 +107,12 @@ def test_the_layers_below_the_step_never_reach_the_text_machinery(module: str):
 
 
 def test_sequence_imports_nothing_but_the_job():
+    """And, for its type only, the LoRA adapter a job holds (issue 28), itself a floor of torch alone."""
     engine_imports = {m for m in imported_modules(ROOT / "engine/sequence.py") if m.startswith("engine")}
-    assert engine_imports == {"engine.job", "engine.job.Job"}
+    assert engine_imports == {"engine.job", "engine.job.Job", "engine.lora.adapter",
+                              "engine.lora.adapter.LoraAdapter"}
+    assert {m for m in imported_modules(ROOT / "engine/lora/adapter.py") if m.startswith(("engine", "kernels"))} \
+        == set()
 
 
 def test_producer_imports_with_torch_unavailable():

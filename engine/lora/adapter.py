@@ -1,0 +1,37 @@
+"""A loaded LoRA adapter: per fused linear of each layer, the A and B the batched product uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LinearKey = tuple[int, str]
+"""(layer index, the engine's fused linear: qkv_proj, o_proj, gate_up_proj or down_proj)."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    """weights[(layer, linear)] = (A [R, in], B [out, R]): the adapter's A matrices of that fused
+    linear stacked on the rank axis, and its B matrices placed block-diagonally at their output
+    slices, each scaled by its module's PEFT scaling, so out += (x @ A^T) @ B^T adds every targeted
+    slice's delta at once (zeros elsewhere add exactly nothing).
+
+    digest names the adapter's content (its config and tensor file): it roots the prefix-page hash
+    chain of the adapter's jobs, so their pages are shared with each other and never with another
+    adapter's or the base model's, whatever name the adapter is registered under.
+    scalings[module] is the PEFT scaling of each targeted module, by PEFT's module name."""
+
+    name: str
+    digest: bytes
+    rank: int
+    weights: dict[LinearKey, tuple[torch.Tensor, torch.Tensor]]
+    scalings: dict[str, float]
+
+    @property
+    def num_bytes(self) -> int:
+        """Device memory the adapter's tensors take."""
+        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+
+    def __repr__(self) -> str:
+        return f"LoraAdapter(name={self.name!r}, rank={self.rank}, linears={len(self.weights)})"
