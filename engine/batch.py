@@ -18,6 +18,9 @@ class ForwardBatch:
     logits_indices: [N] rows of T whose next-token logits are wanted.
     embeddings: optional (rows [M], vectors [M, hidden]) that replace the
     token embeddings of those rows (a job's Embedding objects).
+    bidirectional: per sequence, the [start, end) position runs whose
+    positions attend to each other both ways (Gemma 3's images in prefill:
+    engine/embeddings.py); None when no sequence of the step has one.
     """
 
     input_ids: torch.Tensor
@@ -28,6 +31,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     logits_indices: torch.Tensor
     embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    bidirectional: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,13 @@ handed out twice, so an id range belongs to at most one key for the life of
 the process: two embeddings with the same ids always have the same key, hence
 the same vectors. Forgetting a key only makes its next embedding take a fresh
 range, which loses sharing with older jobs and never correctness.
+
+Bidirectional embeddings (Gemma 3's images): during prefill, the positions of
+one maximal run of such rows attend to each other both ways (transformers'
+token_type_ids mask: every other position stays causal). bidirectional_spans
+names those runs; the batch hands them to attention (kernels/reference.py),
+the scheduler never splits one across prefill chunks, and a prefix-cache hit
+never ends inside one.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -69,9 +77,10 @@ def _reserve(rows: int, key: str | None) -> int:
 
 class Embedding:
     """A [n, hidden_size] tensor bound to n reserved token ids; `key` (optional) names its content, so
-    that embeddings with the same key share ids (and prefix-cache pages)."""
+    that embeddings with the same key share ids (and prefix-cache pages). `bidirectional`: its rows
+    attend to each other both ways in prefill (Gemma 3's images), not only causally."""
 
-    def __init__(self, vectors: torch.Tensor, key: str | None = None) -> None:
+    def __init__(self, vectors: torch.Tensor, key: str | None = None, bidirectional: bool = False) -> None:
         if vectors.dim() != 2 or vectors.shape[0] == 0:
             raise ValueError(
                 f"embedding vectors must be a non-empty [n, hidden_size] tensor, got {tuple(vectors.shape)}")
@@ -79,6 +88,7 @@ class Embedding:
             raise ValueError(f"embedding key must be a non-empty string or None, got {key!r}")
         self.vectors = vectors
         self.key = key
+        self.bidirectional = bidirectional
         self.first_id = _reserve(vectors.shape[0], key)
 
     @property
@@ -88,3 +98,29 @@ class Embedding:
 
     def __len__(self) -> int:
         return self.vectors.shape[0]
+
+
+Span = tuple[int, int]
+
+
+def bidirectional_spans(input_ids: Sequence[int], embeddings: Sequence[Embedding]) -> tuple[Span, ...]:
+    """The [start, end) position runs of input_ids held by bidirectional embeddings' ids. Adjacent
+    runs merge into one, as transformers' get_block_sequence_ids_for_mask groups consecutive image
+    tokens (Gemma 3's processor always puts text between two images)."""
+    ids = {token for embedding in embeddings if embedding.bidirectional for token in embedding.token_ids}
+    if not ids:
+        return ()
+    spans: list[Span] = []
+    for position, token in enumerate(input_ids):
+        if token not in ids:
+            continue
+        if spans and spans[-1][1] == position:
+            spans[-1] = (spans[-1][0], position + 1)
+        else:
+            spans.append((position, position + 1))
+    return tuple(spans)
+
+
+def span_containing(spans: Sequence[Span], position: int) -> Span | None:
+    """The span with start < position < end (a cut at position would split it), else None."""
+    return next((span for span in spans if span[0] < position < span[1]), None)

@@ -92,6 +92,7 @@ class Attention(nn.Module):
             self.softcap,
             self.k_scales,
             self.v_scales,
+            batch.bidirectional,
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
