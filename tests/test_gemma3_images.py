@@ -65,8 +65,8 @@ def gemma3_jobs(generator: Generator, prompts: dict[str, tuple[list[int], list[I
     names = list(prompts)
     encoded = vision.encode([prompts[name][1] for name in names])
     expand = image_prompt(generator)
-    return [Job(expand.expand_ids(prompts[name][0], embeddings, generator.tokenizer, -1) if embeddings
-                else prompts[name][0], NEW_TOKENS, stop_conditions=[], embeddings=embeddings, identifier=name)
+    return [Job(expand.place(prompts[name][0], embeddings) if embeddings else prompts[name][0], NEW_TOKENS,
+                stop_conditions=[], embeddings=embeddings, identifier=name)
             for name, embeddings in zip(names, encoded, strict=True)]
 
 
@@ -104,7 +104,7 @@ def test_causal_attention_over_the_image_would_differ(gemma3_dir: Path, hf_gemma
     ids, images = sample_prompts(generator)["one"]
     (embedding,), = vision_of(generator).encode([images])
     causal = Embedding(embedding.vectors)
-    job = Job(image_prompt(generator).expand_ids(ids, [causal], generator.tokenizer, -1), NEW_TOKENS,
+    job = Job(image_prompt(generator).place(ids, [causal]), NEW_TOKENS,
               stop_conditions=[], embeddings=[causal], identifier="causal")
     assert run(generator, [job])["causal"].completion_ids != hf_generate(hf_gemma3, generator, ids, images)
 
@@ -189,7 +189,12 @@ def test_prompt_ids_and_pixels_are_gemma3_processors(gemma3_dir: Path):
     ids = generator.tokenizer.encode(image_prompt(generator).expand_text(text))
     assert hf["input_ids"][0].tolist() == ids
     (embeddings,) = vision.encode([images])
-    job = Job(image_prompt(generator).expand_ids(ids, embeddings, tokenizer, -1), 1, embeddings=embeddings)
+    expand = image_prompt(generator)
+    job = Job(expand.place(ids, embeddings), 1, embeddings=embeddings)
+    # a token prompt's placeholder tokens expand into the processor's sequence, token by token
+    sequence = tokenizer.encode(expand.expand_text(boi), add_special_tokens=False)
+    assert sequence == hf_tokenizer(processor.full_image_sequence, add_special_tokens=False)["input_ids"]
+    assert expand.expand_tokens([5, config.boi_token_id, 6], tokenizer) == [5, *sequence, 6]
     marked = torch.zeros(len(ids), dtype=torch.long)
     for start, end in job.bidirectional_spans:
         marked[start:end] = 1

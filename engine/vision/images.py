@@ -115,20 +115,23 @@ class ImageEncoder:
         if not placeholder:
             return None
         if config.projector != "gemma3":
-            return ImagePrompt(placeholder, config.image_token_id, 1, placeholder)
+            return ImagePrompt(placeholder, config.placeholder_token_id, config.image_token_id, 1, placeholder)
         soft, end = tokenizer.id_to_token(config.image_token_id), tokenizer.id_to_token(config.eoi_token_id)
         if not soft or not end:
             return None
         sequence = f"\n\n{placeholder}{soft * config.tokens_per_image}{end}\n\n"
-        return ImagePrompt(placeholder, config.image_token_id, config.tokens_per_image, sequence)
+        return ImagePrompt(placeholder, config.placeholder_token_id, config.image_token_id, config.tokens_per_image,
+                           sequence)
 
 
 @dataclass(frozen=True)
 class ImagePrompt:
-    """A model's image marks: `placeholder` in a prompt's text stands for one image, and becomes
-    `sequence` (the HF processor's expansion, holding tokens_each image tokens) before tokenizing."""
+    """A model's image marks: `placeholder` (token placeholder_token_id) in a prompt's text stands for one
+    image, and becomes `sequence` (the HF processor's expansion, holding tokens_each image tokens) before
+    tokenizing."""
 
     placeholder: str
+    placeholder_token_id: int
     image_token_id: int
     tokens_each: int
     sequence: str
@@ -137,14 +140,19 @@ class ImagePrompt:
         """The text as the HF processor has it before tokenizing (LLaVA's is unchanged)."""
         return text if self.sequence == self.placeholder else text.replace(self.placeholder, self.sequence)
 
-    def expand_ids(self, input_ids: Sequence[int], embeddings: Sequence[Embedding], tokenizer: Tokenizer,
-                   placeholder_token_id: int) -> list[int]:
-        """Token ids whose images are marked by placeholder_token_id (a request's input_ids) -> the
-        embeddings' ids in place, each placeholder expanded into the sequence's tokens first."""
-        if self.tokens_each > 1:
-            sequence = tokenizer.encode(self.sequence, add_special_tokens=False)
-            input_ids = [t for token in input_ids for t in (sequence if token == placeholder_token_id else [token])]
+    def place(self, input_ids: Sequence[int], embeddings: Sequence[Embedding]) -> list[int]:
+        """Token ids of an expanded prompt -> the embeddings' ids in place of each image's tokens
+        (ValueError when the counts differ)."""
         return expand_image_placeholders(input_ids, embeddings, self.image_token_id, self.tokens_each)
+
+    def expand_tokens(self, input_ids: Sequence[int], tokenizer: Tokenizer) -> list[int]:
+        """Token ids whose images are marked by the placeholder token (a request's input_ids) with each
+        placeholder expanded into the sequence's tokens, token by token as vLLM expands a token prompt
+        (newlines next to it are not merged)."""
+        if self.tokens_each == 1:
+            return list(input_ids)
+        sequence = tokenizer.encode(self.sequence, add_special_tokens=False)
+        return [t for token in input_ids for t in (sequence if token == self.placeholder_token_id else [token])]
 
 
 def expand_image_placeholders(input_ids: Sequence[int], embeddings: Sequence[Embedding],
