@@ -2,7 +2,8 @@
 prefill (transformers' token_type_ids mask), so greedy output equals Gemma3ForConditionalGeneration.generate
 on a random-weight directory (genq_dev/tiny_vlm.py) for one and two images, alone and batched with a
 text-only job, prefix caching on and off, with a chunk size that would split an image, through preemption.
-The prompt's `<start_of_image>` expands as Gemma3Processor's text expansion does."""
+The prompt's `<start_of_image>` expands as Gemma3Processor's text expansion does, and the reference
+attention's span mask is transformers' mask."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from engine import Generator, Job, JobRejected
 from engine.embeddings import Embedding
 from engine.vision.images import ImagePrompt
 from genq_dev.tiny_vlm import make_tiny_vlm
+from kernels.reference import paged_attention
 from tests.engine_runs import run
 from tests.test_image_jobs import NEW_TOKENS, PAGE_SIZE, generator_for, make_images, vision_of
 
@@ -201,3 +203,38 @@ def test_prompt_ids_and_pixels_are_gemma3_processors(gemma3_dir: Path):
     assert torch.equal(hf["token_type_ids"][0], marked)
     ours = np.stack([vision.processor.pixels(image) for image in images])
     assert np.abs(hf["pixel_values"].numpy() - ours).max() <= 1e-6
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["global", "sliding"])
+def test_reference_attention_over_spans_is_transformers_mask(window: int | None):
+    """kernels' reference paged attention with bidirectional spans equals dense attention under
+    transformers' mask: AND(sliding window, OR(causal, same span)), for a prefill chunk and for a short
+    (batched) row, over pages in shuffled order."""
+    torch.manual_seed(0)
+    page_size, heads, kv_heads, dim = 4, 4, 2, 8
+    lengths, spans = [21, 9], [((3, 9), (12, 17)), ((2, 7),)]
+    num_pages = sum(-(-n // page_size) for n in lengths) + 2
+    k_cache = torch.randn(kv_heads, num_pages, page_size, dim)
+    v_cache = torch.randn(kv_heads, num_pages, page_size, dim)
+    order = torch.randperm(num_pages)
+    tables = torch.zeros(2, 8, dtype=torch.int32)
+    tables[0, :6] = order[:6]
+    tables[1, :3] = order[6:9]
+    q = torch.randn(sum(lengths), heads, dim)
+    out = paged_attention(q, k_cache, v_cache, tables, torch.tensor([0, 21, 30], dtype=torch.int32),
+                          torch.tensor(lengths, dtype=torch.int32), 0.3, window, None, None, None, spans)
+    start = 0
+    for b, n in enumerate(lengths):
+        keys = k_cache[:, tables[b].long()].reshape(kv_heads, -1, dim)[:, :n].repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[:, tables[b].long()].reshape(kv_heads, -1, dim)[:, :n].repeat_interleave(heads // kv_heads, 0)
+        position = torch.arange(n)
+        group = torch.full((n,), -1)
+        for index, (first, end) in enumerate(spans[b]):
+            group[first:end] = index
+        mask = (position[None, :] <= position[:, None]) | ((group[:, None] == group[None, :]) & (group[:, None] >= 0))
+        if window is not None:
+            mask &= position[None, :] > position[:, None] - window
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1), keys, values, attn_mask=mask, scale=0.3).transpose(0, 1)
+        torch.testing.assert_close(out[start : start + n], expected)
+        start += n

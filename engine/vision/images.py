@@ -106,7 +106,6 @@ class ImageEncoder:
                   for key, rows in zip(distinct, features, strict=True)}
         return [[by_key[key] for key in keys] for keys in keyed]
 
-
     def image_prompt(self, tokenizer: Tokenizer) -> ImagePrompt | None:
         """How prompts for this model mark and expand images, in the tokenizer's text; None when a token
         it needs has no text."""
