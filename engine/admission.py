@@ -26,8 +26,9 @@ from engine.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class Limits:
     """What a job must fit: the context (max_seq_len; whole_cache_pages set when that is the whole
-    KV cache, to say so), the vocabulary, the hidden width embeddings must have, and whether a draft
-    model runs (it has no rows for embedding tokens)."""
+    KV cache, to say so), the vocabulary, the hidden width embeddings must have, whether a draft
+    model runs (it has no rows for embedding tokens), and the prefill chunk a bidirectional span
+    must fit in whole (engine/scheduler.py)."""
 
     max_seq_len: int
     vocab_size: int
@@ -35,6 +36,7 @@ class Limits:
     page_size: int
     whole_cache_pages: int | None
     draft_model: bool
+    max_chunk_size: int | None = None
 
 
 COMPILE_THREADS = 2
@@ -85,6 +87,10 @@ def _check_fits(job: Job, limits: Limits) -> None:
     if job.embeddings and limits.draft_model:
         raise JobRejected("embeddings: not supported with a draft model (it has no rows for the embedding "
                           "tokens); use n-gram drafts (use_ngram_draft=True) or no speculation")
+    longest = max((end - start for start, end in job.bidirectional_spans), default=0)
+    if limits.max_chunk_size is not None and longest > limits.max_chunk_size:
+        raise JobRejected(f"embeddings: an image of {longest} tokens attends to itself both ways and runs in one "
+                          f"prefill chunk, longer than the engine's max_chunk_size={limits.max_chunk_size}")
     for embedding in job.embeddings:
         if embedding.width != limits.hidden_size:
             raise JobRejected(f"embeddings: vectors of width {embedding.width}, the model's "

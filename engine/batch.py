@@ -21,6 +21,9 @@ class ForwardBatch:
     embeddings: optional (rows [M], vectors [M, hidden]) that replace the
     token embeddings of those rows (a job's Embedding objects).
     lora: the step's tokens grouped by LoRA adapter, None when every row runs the base model.
+    bidirectional: per sequence, the [start, end) position runs whose
+    positions attend to each other both ways (Gemma 3's images in prefill:
+    engine/embeddings.py); None when no sequence of the step has one.
     """
 
     input_ids: torch.Tensor
@@ -32,6 +35,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
     lora: LoraBatch | None = None
+    bidirectional: tuple[tuple[tuple[int, int], ...], ...] | None = None
 
     @property
     def num_tokens(self) -> int:

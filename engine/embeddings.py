@@ -23,6 +23,13 @@ range, which loses sharing with older jobs and never correctness.
 
 A DeferredEmbedding (an image before its tower ran) has its rows, width and key, hence its ids, at
 once, and its vectors only when the generator admits its job (engine/encoder_inputs.py).
+
+Bidirectional embeddings (Gemma 3's images): during prefill, the positions of
+one maximal run of such rows attend to each other both ways (transformers'
+token_type_ids mask: every other position stays causal). bidirectional_spans
+names those runs; the batch hands them to attention (kernels/reference.py),
+the scheduler never splits one across prefill chunks, and a prefix-cache hit
+never ends inside one.
 """
 
 from __future__ import annotations
@@ -74,19 +81,20 @@ def _reserve(rows: int, key: str | None) -> int:
 
 class Embedding:
     """A [n, hidden_size] tensor bound to n reserved token ids; `key` (optional) names its content, so
-    that embeddings with the same key share ids (and prefix-cache pages)."""
+    that embeddings with the same key share ids (and prefix-cache pages). `bidirectional`: its rows
+    attend to each other both ways in prefill (Gemma 3's images), not only causally."""
 
-    def __init__(self, vectors: torch.Tensor, key: str | None = None) -> None:
+    def __init__(self, vectors: torch.Tensor, key: str | None = None, bidirectional: bool = False) -> None:
         if vectors.dim() != 2 or vectors.shape[0] == 0:
             raise ValueError(
                 f"embedding vectors must be a non-empty [n, hidden_size] tensor, got {tuple(vectors.shape)}")
-        self._bind(vectors.shape[0], vectors.shape[1], key)
+        self._bind(vectors.shape[0], vectors.shape[1], key, bidirectional)
         self._vectors: torch.Tensor | None = vectors
 
-    def _bind(self, rows: int, width: int, key: str | None) -> None:
+    def _bind(self, rows: int, width: int, key: str | None, bidirectional: bool) -> None:
         if key is not None and (not isinstance(key, str) or not key):
             raise ValueError(f"embedding key must be a non-empty string or None, got {key!r}")
-        self.rows, self.width, self.key = rows, width, key
+        self.rows, self.width, self.key, self.bidirectional = rows, width, key, bidirectional
         self.first_id = _reserve(rows, key)
 
     @property
@@ -122,10 +130,10 @@ class DeferredEmbedding(Embedding):
     prompt and the prefix-cache hashes. The generator hands the deferred embeddings of a step's
     admissions to their encoder together (engine/encoder_inputs.py)."""
 
-    def __init__(self, rows: int, width: int, key: str, encoder: DeferredEncoder) -> None:
+    def __init__(self, rows: int, width: int, key: str, encoder: DeferredEncoder, bidirectional: bool = False) -> None:
         if rows < 1 or width < 1:
             raise ValueError(f"a deferred embedding needs rows and width >= 1, got {rows} x {width}")
-        self._bind(rows, width, key)
+        self._bind(rows, width, key, bidirectional)
         self._vectors = None
         self.encoder = encoder
 
@@ -135,3 +143,29 @@ class DeferredEmbedding(Embedding):
             raise ValueError(f"embedding {self.key!r} takes [{self.rows}, {self.width}] vectors, "
                              f"got {tuple(vectors.shape)}")
         self._vectors = vectors
+
+
+Span = tuple[int, int]
+
+
+def bidirectional_spans(input_ids: Sequence[int], embeddings: Sequence[Embedding]) -> tuple[Span, ...]:
+    """The [start, end) position runs of input_ids held by bidirectional embeddings' ids. Adjacent
+    runs merge into one, as transformers' get_block_sequence_ids_for_mask groups consecutive image
+    tokens (Gemma 3's processor always puts text between two images)."""
+    ids = {token for embedding in embeddings if embedding.bidirectional for token in embedding.token_ids}
+    if not ids:
+        return ()
+    spans: list[Span] = []
+    for position, token in enumerate(input_ids):
+        if token not in ids:
+            continue
+        if spans and spans[-1][1] == position:
+            spans[-1] = (spans[-1][0], position + 1)
+        else:
+            spans.append((position, position + 1))
+    return tuple(spans)
+
+
+def span_containing(spans: Sequence[Span], position: int) -> Span | None:
+    """The span with start < position < end (a cut at position would split it), else None."""
+    return next((span for span in spans if span[0] < position < span[1]), None)

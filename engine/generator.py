@@ -111,7 +111,8 @@ class Generator:
         self.outputs = OutputProcessor(tokenizer)
         self.setup = JobSetup(tokenizer, vocab, config.constraints)
         self.limits = Limits(self.max_seq_len, vocab, model.config.hidden_size, self.page_size,
-                             cache.num_pages if limits.whole_cache else None, draft_model is not None)
+                             cache.num_pages if limits.whole_cache else None, draft_model is not None,
+                             self.max_chunk_size)
         self._sequences: dict[int, Sequence] = {}
         self._sampling: dict[int, SamplingState] = {}
         self._preparing: dict[int, Preparing] = {}  # constrained jobs whose grammar is starting, in order

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.constraint_spec import Constraint
-from engine.embeddings import Embedding
+from engine.embeddings import Embedding, Span, bidirectional_spans
 from engine.sampler_settings import SamplerSettings
 
 MAX_TOP_LOGPROBS = 20
@@ -88,6 +88,8 @@ class Job:
         if missing:
             raise ValueError(
                 f"input_ids lacks the reserved ids of {len(missing)} embedding(s): place embedding.token_ids")
+        # prompt positions that attend both ways in prefill (engine/embeddings.py)
+        self.bidirectional_spans: tuple[Span, ...] = bidirectional_spans(self.input_ids, self.embeddings)
         if constraint is not None and not isinstance(constraint, Constraint):
             raise ValueError(f"constraint must be an engine.Constraint, got {type(constraint).__name__}")
         self.constraint = constraint

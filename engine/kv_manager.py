@@ -22,6 +22,10 @@ the attention mask never reads it. For the prefix cache this means:
   The hash of page k covers every token before it, so a hit on k still means
   the whole prefix is equal; only the pages nobody will read may be missing.
 A model that mixes windowed and global layers (Gemma 2/3) keeps every page.
+
+A cached prefix never ends inside a bidirectional span (Gemma 3's images:
+engine/embeddings.py): the span's positions are computed together, so a hit
+stops at the last page boundary before it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.cache import ROOT_HASH, PagePool, page_hash
+from engine.embeddings import span_containing
 from engine.sequence import Sequence
 
 #: A page-table entry whose page was released (outside the sliding window).
@@ -86,13 +91,15 @@ class KVManager:
     def cached_prefix(self, sequence: Sequence) -> CachedPrefix:
         """The longest run of the sequence's leading full pages the cache can
         serve; the page with its last token is never taken (its logits are needed),
-        nor any page of a prompt whose every position is scored (Sequence.scores_prompt)."""
+        nor any page of a prompt whose every position is scored (Sequence.scores_prompt), and it never
+        ends inside a bidirectional span."""
         if not self.prefix_caching or sequence.scores_prompt:
             return CachedPrefix((), 0)
         usable = (len(sequence.token_ids) - 1) // self.page_size
         self._hash_pages(sequence, usable)
         found: list[int | None] = []
         best, run_start = 0, 0
+        spans = sequence.job.bidirectional_spans
         for k, digest in enumerate(sequence.page_hashes[:usable]):
             page = self.pool.lookup(digest)
             found.append(page)
@@ -100,7 +107,8 @@ class KVManager:
                 if self.sliding_window is None:
                     break
                 run_start = k + 1
-            elif run_start <= self.first_needed_page((k + 1) * self.page_size):
+            elif (run_start <= self.first_needed_page((k + 1) * self.page_size)
+                  and span_containing(spans, (k + 1) * self.page_size) is None):
                 best = k + 1
         first = self.first_needed_page(best * self.page_size)
         pages = tuple(HOLE if k < first else _hit(found[k]) for k in range(best))

@@ -97,6 +97,7 @@ class Attention(nn.Module):
             self.softcap,
             self.k_scales,
             self.v_scales,
+            batch.bidirectional,
         )
         out = out.reshape(-1, self.q_size)
         if batch.lora is None:

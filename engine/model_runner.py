@@ -145,9 +145,11 @@ class BatchBuilder:
         token_rows = np.repeat(table_rows, np.diff(cu_seqlens))
         slots = self._tables[token_rows, pos // size] * size + pos % size
         width = -(-max(context_lens) // size)
-        return self._to_device(ids, pos, np.asarray(cu_seqlens), np.asarray(context_lens),
-                               self._tables[table_rows, :width], slots, np.asarray(logits_indices, dtype=np.int64),
-                               embeddings)
+        batch = self._to_device(ids, pos, np.asarray(cu_seqlens), np.asarray(context_lens),
+                                self._tables[table_rows, :width], slots, np.asarray(logits_indices, dtype=np.int64),
+                                embeddings)
+        spans = _bidirectional_spans(rows)
+        return replace(batch, bidirectional=spans) if spans is not None else batch
 
     def _to_device(
         self,
@@ -173,6 +175,14 @@ class BatchBuilder:
             logits_indices=tensor(logits_indices, torch.long),
             embeddings=embeddings,
         )
+
+
+def _bidirectional_spans(rows: Seq[BatchRow]) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """Per row, the job's bidirectional spans among this step's query positions (the scheduler
+    keeps each whole in one chunk); None when no row has one, as in every text-only step."""
+    per_row = tuple(tuple(span for span in row.sequence.job.bidirectional_spans
+                          if span[0] < row.start + len(row.tokens) and span[1] > row.start) for row in rows)
+    return per_row if any(per_row) else None
 
 
 class ModelRunner:

@@ -11,6 +11,12 @@ Per step, within a token budget (max_chunk_size):
    remaining prompt plus the first token they will generate; their first
    chunk runs in this same step.
 
+A prefill chunk never splits a bidirectional span (Gemma 3's images, whose
+positions attend to each other both ways: engine/embeddings.py): a chunk that
+would end inside one ends before it and the span runs whole in a later step,
+as vLLM's scheduler does with disable_chunked_mm_input (which it forces for
+such models). Admission refuses a span longer than max_chunk_size.
+
 With prefix caching, a sequence admitted from scratch first takes the
 longest cached prefix the KV manager finds and computes only the rest. Every
 page a step fills completely is named when the step is scheduled: its content
@@ -40,6 +46,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from engine.embeddings import span_containing
 from engine.kv_manager import KVManager
 from engine.sequence import Sequence
 
@@ -162,8 +169,8 @@ class Scheduler:
                 break
             if sequence.serial in step.chosen or sequence.serial not in self._running:
                 continue
-            chunk = min(sequence.num_uncomputed, step.budget)
-            if self._grow(sequence, sequence.num_computed + chunk, step):
+            chunk = _whole_spans(sequence, sequence.num_computed, min(sequence.num_uncomputed, step.budget))
+            if chunk and self._grow(sequence, sequence.num_computed + chunk, step):
                 self._schedule(sequence, chunk, step)
 
         if self.waiting:
@@ -199,6 +206,10 @@ class Scheduler:
             if any(s.skips >= self._skip_limit(s) for s in passed_over):
                 break
             prefix = kv.cached_prefix(sequence)
+            start = len(prefix.pages) * kv.page_size
+            chunk = _whole_spans(sequence, start, min(len(sequence.token_ids) - start, step.budget))
+            if not chunk:
+                break  # its next image needs more of this step's budget than is left
             needed = kv.pages_for(len(sequence.token_ids) + 1) - len(prefix.pages) + prefix.num_parked
             if kv.num_free - promised < needed:
                 passed_over.append(sequence)
@@ -209,7 +220,6 @@ class Scheduler:
             if sequence.time_started is None:
                 sequence.cached_tokens = sequence.num_computed
                 step.started.append(sequence)
-            chunk = min(sequence.num_uncomputed, step.budget)
             self.waiting.remove(sequence)
             self._running[sequence.serial] = sequence
             kv.grow(sequence, sequence.num_computed + chunk)
@@ -251,3 +261,10 @@ class Scheduler:
         self.waiting.appendleft(sequence)
         step.preempted.append(sequence)
         self.num_preemptions += 1
+
+
+def _whole_spans(sequence: Sequence, start: int, chunk: int) -> int:
+    """chunk tokens from start, cut back to the start of a bidirectional span it would end inside
+    (0 when that span begins at start: it waits for a step with budget for all of it)."""
+    span = span_containing(sequence.job.bidirectional_spans, start + chunk)
+    return chunk if span is None else max(0, span[0] - start)

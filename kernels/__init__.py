@@ -30,6 +30,8 @@ write_kv / paged_attention then take the caches' scales too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kernels import ops, reference
@@ -125,12 +127,14 @@ def paged_attention(
     softcap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D]
-    (reference.paged_attention): genq::paged_attention."""
-    if not triton_enabled(q):
+    (reference.paged_attention): genq::paged_attention. A step with bidirectional spans (Gemma 3's
+    images in prefill) runs the torch reference on any device: the Triton kernel is causal only."""
+    if bidirectional is not None or not triton_enabled(q):
         return reference.paged_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale,
-                                         sliding_window, softcap, k_scales, v_scales)
+                                         sliding_window, softcap, k_scales, v_scales, bidirectional)
     out: torch.Tensor = ops.paged_attention(
         q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale, sliding_window, softcap, k_scales,
         v_scales,

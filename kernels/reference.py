@@ -17,6 +17,12 @@ length including this step's tokens, so query i of sequence b sits at
 position context_lens[b] - q_len[b] + i and attends causally to positions
 <= that (and > position - sliding_window when a window is set).
 
+Bidirectional spans (Gemma 3's images): `bidirectional[b]` lists [start, end)
+position runs of sequence b whose positions also attend to each other ahead
+of themselves (transformers' token_type_ids mask: causal OR same span, then
+the sliding window). The whole span must be in the context (the scheduler
+never splits one); None (every text-only step) costs nothing.
+
 Soft-capping (Gemma 2): with a cap c, scaled scores s become c * tanh(s / c)
 before the mask and the softmax.
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -129,6 +136,7 @@ def paged_attention(
     softcap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over each sequence's paged context -> [T, Hq, D].
     A quantized cache needs its scales (see write_kv); a rotated K format's
@@ -156,7 +164,7 @@ def paged_attention(
         s = starts[b]
         out[s : s + q_len] = _attend(
             q[s : s + q_len].unsqueeze(0), kv, page_table[b : b + 1], ctx[b : b + 1], scale, sliding_window,
-            softcap,
+            softcap, None if bidirectional is None else [bidirectional[b]],
         ).squeeze(0)
     for q_len, rows in short_rows.items():
         for group in _length_groups(rows, ctx, page_size):
@@ -165,7 +173,7 @@ def paged_attention(
             token_idx = (starts + torch.arange(q_len, device=q.device)).reshape(-1)
             out[token_idx] = _attend(
                 q[token_idx].view(len(group), q_len, *q.shape[1:]), kv, page_table[index], [ctx[b] for b in group],
-                scale, sliding_window, softcap,
+                scale, sliding_window, softcap, None if bidirectional is None else [bidirectional[b] for b in group],
             ).reshape(-1, *q.shape[1:])
     return rotate(out, v_fmt)
 
@@ -237,6 +245,7 @@ def _attend(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
     """q [B, Lq, Hq, D] (the last Lq positions of each context) -> [B, Lq, Hq, D]."""
     batch, q_len, head_dim = q.shape[0], q.shape[1], q.shape[3]
@@ -252,6 +261,8 @@ def _attend(
     ctx = torch.tensor(context_lens, device=q.device).view(batch, 1, 1)
     query_pos = ctx - q_len + torch.arange(q_len, device=q.device).view(1, q_len, 1)
     mask = key_pos <= query_pos
+    if bidirectional is not None and any(bidirectional):
+        mask = mask | _same_span(bidirectional, query_pos.view(batch, q_len), span)
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
     if softcap is not None:
@@ -261,6 +272,17 @@ def _attend(
         enable_gqa=True,
     )
     return attn.transpose(1, 2)
+
+
+def _same_span(spans: Sequence[Sequence[tuple[int, int]]], query_pos: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, Lq, span]: query and key positions inside one bidirectional span of their sequence."""
+    ids = torch.full((len(spans), span), -1, dtype=torch.long)
+    for b, runs in enumerate(spans):
+        for index, (start, end) in enumerate(runs):
+            ids[b, start:end] = index
+    ids = ids.to(query_pos.device)
+    query_ids = ids.gather(1, query_pos).unsqueeze(-1)
+    return (query_ids == ids.unsqueeze(1)) & (query_ids >= 0)
 
 
 def _softcapped(

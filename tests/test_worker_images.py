@@ -18,7 +18,9 @@ from worker.images import image_support
 @pytest.mark.parametrize(("family", "overrides", "token_id", "tokens"), [
     ("llava", {}, -1, 16),  # (32 / 8)^2 patches; "default" drops CLIP's class token
     ("llava", {"vision_feature_select_strategy": "full"}, -1, 17),  # ... "full" keeps it
-    ("gemma3", {}, -3, 16),  # <start_of_image> (boi_token_index) marks it; mm_tokens_per_image
+    # <start_of_image> (boi_token_index) marks it and becomes "\n\n", itself, mm_tokens_per_image soft
+    # tokens, <end_of_image>, "\n\n" (Gemma3Processor's expansion)
+    ("gemma3", {}, -3, 20),
 ], ids=["llava-default", "llava-full", "gemma3"])
 def test_the_card_says_what_a_vision_model_takes(tmp_path: Path, family: str, overrides: dict[str, str],
                                                  token_id: int, tokens: int):

@@ -12,8 +12,9 @@ work, and the one hand-off to the vision side.
 - `prepare_images`: decoded images -> the job's embeddings before the tower ran, from the
   generator's ImageEncoder (engine/vision/images.py: preprocessed and keyed by content on the task's
   thread, so equal images share prompt pages); the engine runs the tower when it admits the job, over
-  the images of every job admitted in that step together (engine/encoder_inputs.py). Gemma 3 is
-  refused (its image tokens attend both ways, which the engine's attention does not do yet).
+  the images of every job admitted in that step together (engine/encoder_inputs.py). Gemma 3's
+  embeddings attend to each other both ways (engine/embeddings.py); build_job expands the prompt as
+  Gemma3Processor does (ImagePrompt).
 """
 
 from __future__ import annotations
@@ -30,28 +31,24 @@ from producer.protocol import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, Gen
 log = logging.getLogger(__name__)
 
 IMAGE_LIMITS = ImageLimits(max_bytes=MAX_IMAGE_BYTES, max_pixels=MAX_IMAGE_PIXELS)
-NOT_YET = ("images: this worker's model (Gemma 3) takes images, but the engine cannot run them token for token "
-           "as transformers does yet (an image's tokens attend to each other both ways): the request was not run")
-
-
-class ImagesNotReady(RuntimeError):
-    """A valid request with images that this worker cannot run yet; the task fails with GenerationFailed."""
 
 
 def image_support(generator: Generator) -> ImageSupport | None:
     """The card's `images` for the generator's model, from the vision encoder it loaded; None when it
-    takes none (a text model, a GGUF file, a vision directory that loaded text only)."""
+    takes none (a text model, a GGUF file, a vision directory that loaded text only). An image costs
+    the tokens its placeholder becomes: Gemma 3's soft tokens with the newlines and <end_of_image>
+    its processor adds (at most: newlines may merge with the prompt's)."""
     if generator.vision is None:
         return None
-    config = generator.vision.tower.config
-    placeholder = generator.tokenizer.id_to_token(config.placeholder_token_id)
-    if not placeholder:
-        log.warning("the model's image token %d has no text: the card says it takes no images",
-                    config.placeholder_token_id)
+    prompt = generator.vision.image_prompt(generator.tokenizer)
+    if prompt is None:
+        log.warning("the model's image tokens have no text: the card says it takes no images")
         return None
-    fit = generator.max_seq_len // config.tokens_per_image
-    return ImageSupport(placeholder=placeholder, tokens_per_image=config.tokens_per_image,
-                        max_images=min(MAX_IMAGES, fit))
+    # the expanded placeholder's tokens, each image token then standing for its share of the image's rows
+    rows = generator.vision.tokens_per_image
+    tokens = len(generator.tokenizer.encode(prompt.sequence, add_special_tokens=False)) - prompt.tokens_each + rows
+    fit = generator.max_seq_len // tokens
+    return ImageSupport(placeholder=prompt.placeholder, tokens_per_image=tokens, max_images=min(MAX_IMAGES, fit))
 
 
 def decode_images(request: GenerationRequest, support: ImageSupport | None) -> list[Image.Image]:
@@ -84,8 +81,7 @@ def decode_images(request: GenerationRequest, support: ImageSupport | None) -> l
 
 def prepare_images(decoded: list[Image.Image], generator: Generator) -> list[Embedding]:
     """The decoded images' embeddings, in prompt order, for build_job to place; the engine fills their
-    vectors when it admits the job (ImagesNotReady for a model whose image jobs it cannot run yet)."""
+    vectors when it admits the job."""
     encoder = generator.vision
-    if encoder is None or encoder.tower.config.projector != "llava":
-        raise ImagesNotReady(NOT_YET)
+    assert encoder is not None, "decode_images refuses images for a model that takes none"
     return list(encoder.prepare(decoded))

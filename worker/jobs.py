@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from engine import Constraint, Embedding, Job, SamplerSettings, Tokenizer
 from engine.constraints import compiled_grammar
-from engine.vision.images import expand_image_placeholders
+from engine.vision.images import ImagePrompt
 from producer.chat_rendering import model_reasoning_format, model_tool_format, render_messages
 from producer.protocol import (
     DRY_DEFAULT_SEQUENCE_BREAKERS,
@@ -28,7 +28,7 @@ from producer.tool_calls import SPECIAL_MARKERS, ToolChoice, auto_call_grammar, 
 
 
 def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str, vocab_size: int,
-              images: Sequence[Embedding] = (), image_token_id: int | None = None) -> Job:
+              images: Sequence[Embedding] = (), image_prompt: ImagePrompt | None = None) -> Job:
     """The engine job for `request`. `vocab_size` is the model's: the protocol bounds token ids
     only by int32, so stop tokens the model can never produce are refused here (the engine
     refuses such input_ids, sampling settings refuse such banned ids and biases). Whether the
@@ -39,8 +39,10 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
     calls out of the output in that format (worker/tool_results.py). A chat gets its
     reasoning_format filled in so too (the thought is split off first).
 
-    `images`: the request's image embeddings in prompt order (worker/images.py); each image token
-    (`image_token_id`) of the prompt becomes its embedding's reserved ids."""
+    `images`: the request's image embeddings in prompt order (worker/images.py); each image
+    placeholder of the prompt is expanded as the model's HF processor does (`image_prompt`:
+    Gemma 3's newlines, soft tokens and <end_of_image>) and its image tokens become the
+    embedding's reserved ids."""
     for index, token in enumerate(request.stop_token_ids):
         if token >= vocab_size:
             raise ProtocolError([f"stop_token_ids[{index}]: token id {token} is outside the vocabulary "
@@ -49,22 +51,24 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
         request.tool_format = model_tool_format(tokenizer.chat)
     if request.messages is not None and request.reasoning_format is None:
         request.reasoning_format = model_reasoning_format(tokenizer.chat)
+    expand = image_prompt if images else None
     if request.prompt is not None:
         add_bos = tokenizer.add_bos_token if request.add_bos is None else request.add_bos
-        input_ids = tokenizer.encode(request.prompt, add_special_tokens=add_bos)
+        text = expand.expand_text(request.prompt) if expand else request.prompt
+        input_ids = tokenizer.encode(text, add_special_tokens=add_bos)
         if not input_ids:
             raise ProtocolError(["prompt: encodes to no tokens"])
     elif request.messages is not None:
         if tokenizer.chat_template is None:
             raise ProtocolError(["messages: this model has no chat template; send prompt or input_ids"])
-        placeholder = tokenizer.id_to_token(image_token_id) if image_token_id is not None else None
-        input_ids = encode_messages(request, tokenizer, placeholder)
+        input_ids = encode_messages(request, tokenizer, expand)
     else:
         input_ids = list(request.input_ids or ())
-    if images:
-        assert image_token_id is not None, "a model that takes images names its image token"
+        if expand:
+            input_ids = expand.expand_tokens(input_ids, tokenizer)
+    if expand:
         try:
-            input_ids = expand_image_placeholders(input_ids, images, image_token_id)
+            input_ids = expand.place(input_ids, images)
         except ValueError as error:
             raise ProtocolError([f"{'prompt' if request.prompt is not None else 'messages'}: {error}"]) from None
     stops: list[int | str] = [*request.stop, *request.stop_token_ids]
@@ -95,9 +99,13 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
 
 
 def encode_messages(request: GenerationRequest, tokenizer: Tokenizer,
-                    image_placeholder: str | None = None) -> list[int]:
-    """The chat's prompt tokens (render_messages, encoded)."""
-    return tokenizer.encode_rendered(render_messages(request, tokenizer.chat, image_placeholder))
+                    image_prompt: ImagePrompt | None = None) -> list[int]:
+    """The chat's prompt tokens (render_messages, encoded): with image_prompt, each image placeholder
+    expanded as the model's processor expands it before encoding."""
+    if image_prompt is None:
+        return tokenizer.encode_rendered(render_messages(request, tokenizer.chat))
+    text = render_messages(request, tokenizer.chat, image_prompt.placeholder)
+    return tokenizer.encode_rendered(image_prompt.expand_text(text))
 
 
 def tool_constraint(request: GenerationRequest, tokenizer: Tokenizer) -> Constraint | None:

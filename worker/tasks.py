@@ -23,7 +23,7 @@ from engine.admission import admit
 from producer.protocol import TASK_NAME, GenerationRequest, ProtocolError, StreamEvent, chained_payload
 from worker import delivery
 from worker import runtime as runtime_module
-from worker.images import ImagesNotReady, decode_images, prepare_images
+from worker.images import decode_images, prepare_images
 from worker.jobs import build_job
 from worker.loop import ShuttingDown, Submission
 from worker.publisher import Publisher
@@ -74,8 +74,9 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: 
         images = decode_images(request, runtime.card.card.images)
         generator = runtime.generator
         embeddings = prepare_images(images, generator) if images else []
+        vision = generator.vision
         job = build_job(request, generator.tokenizer, identifier, generator.model.config.vocab_size, embeddings,
-                        generator.vision.image_token_id if generator.vision is not None else None)
+                        vision.image_prompt(generator.tokenizer) if vision is not None else None)
         # The engine's own refusals (context, vocabulary) checked here too, so that they fail as the
         # invalid requests they are rather than as GenerationFailed from the loop.
         admit(job, generator.limits)
@@ -83,9 +84,6 @@ def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: 
         message = str(error)
         publish_error(runtime.publisher, identifier, message, attempt)
         raise ProtocolError(message) from None
-    except ImagesNotReady as error:
-        publish_error(runtime.publisher, identifier, str(error), attempt)
-        raise GenerationFailed(str(error)) from None
     except Exception as error:
         # Anything else (a chat template that fails on this chat, say) still ends the request's
         # stream, so that no reader waits for an event that never comes.

@@ -76,12 +76,19 @@ class VisionLanguageConfig:
     mm_tokens_per_image: int = 0
     # Gemma 3: the token a prompt marks an image with (<start_of_image>); the processor expands it
     boi_token_id: int = 255_999
+    # Gemma 3: the token after an image's soft tokens (<end_of_image>)
+    eoi_token_id: int = 256_000
 
     @property
     def placeholder_token_id(self) -> int:
         """The token whose text marks an image in a prompt: LLaVA's image token (<image>), Gemma 3's
         <start_of_image> (its processor expands it into the image's soft tokens)."""
         return self.boi_token_id if self.projector == "gemma3" else self.image_token_id
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """An image's tokens attend to each other both ways in prefill (Gemma 3's token_type_ids mask)."""
+        return self.projector == "gemma3"
 
     @property
     def projector(self) -> str:
@@ -124,7 +131,8 @@ class VisionLanguageConfig:
         if not llava:
             return cls(architecture, encoder, text_hidden, int(raw.get("image_token_index", 262_144)),
                        mm_tokens_per_image=_gemma3_tokens(raw, encoder),
-                       boi_token_id=int(raw.get("boi_token_index", 255_999)))
+                       boi_token_id=int(raw.get("boi_token_index", 255_999)),
+                       eoi_token_id=int(raw.get("eoi_token_index", 256_000)))
         layers = raw.get("vision_feature_layer", -2)
         layers = (layers,) if isinstance(layers, int) else tuple(layers)
         total = encoder.num_layers + 1

@@ -11,9 +11,13 @@ encoded once, in one batch with every other distinct image of the call, on the t
 and get Embeddings with that key, so equal images take equal reserved ids (engine/embeddings.py): jobs
 with the same image share the prompt pages after it, different images never do.
 
-expand_image_placeholders turns a LLaVA prompt's image tokens (one per image, as the chat template writes
-`<image>`) into the embeddings' reserved ids, as transformers' LlavaProcessor expands `<image>` into
-tokens_per_image image tokens.
+expand_image_placeholders turns a prompt's image tokens into the embeddings' reserved ids: LLaVA's one per
+image (as the chat template writes `<image>`; LlavaProcessor expands it into tokens_per_image tokens), Gemma 3's
+run of tokens_per_image soft tokens per image. ImagePrompt says how a model's prompt text marks an image and
+expands it: Gemma3Processor replaces each `<start_of_image>` in the text with
+"\n\n<start_of_image>" + tokens_per_image x `<image_soft_token>` + "<end_of_image>\n\n" and tokenizes the
+result, so the newlines merge with the prompt's own as its tokenizer merges them; ImagePrompt does the same.
+Gemma 3's embeddings are bidirectional (engine/embeddings.py): an image's positions attend to each other.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import itertools
 import json
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +36,7 @@ from PIL import Image
 
 from engine.embeddings import DeferredEmbedding, Embedding
 from engine.errors import ModelLoadError
+from engine.tokenizer import Tokenizer
 from engine.vision.loading import load_vision_tower
 from engine.vision.processing import ImageProcessor, image_processor_from_config
 from engine.vision.tower import VisionTower
@@ -42,7 +48,8 @@ class PendingImage(DeferredEmbedding):
     """One image's preprocessed pixels and content key, its vectors to come from `encoder`'s tower."""
 
     def __init__(self, pixels: np.ndarray, key: str, encoder: ImageEncoder) -> None:
-        super().__init__(encoder.tokens_per_image, encoder.tower.config.text_hidden_size, key, encoder)
+        super().__init__(encoder.tokens_per_image, encoder.tower.config.text_hidden_size, key, encoder,
+                         bidirectional=encoder.tower.config.bidirectional_images)
         self.pixels: np.ndarray | None = pixels
 
     def fill(self, vectors: torch.Tensor) -> None:
@@ -120,7 +127,9 @@ class ImageEncoder:
             keyed.append(keys)
         if not distinct:
             return [[] for _ in keyed]
-        by_key = {key: Embedding(rows, key=key) for key, rows in self._run_tower(distinct).items()}
+        both_ways = self.tower.config.bidirectional_images
+        by_key = {key: Embedding(rows, key=key, bidirectional=both_ways)
+                  for key, rows in self._run_tower(distinct).items()}
         return [[by_key[key] for key in keys] for keys in keyed]
 
     def encode_deferred(self, embeddings: Sequence[DeferredEmbedding]) -> None:
@@ -154,20 +163,70 @@ class ImageEncoder:
         self.images_encoded += len(pixels)
         return dict(zip(pixels, features, strict=True))
 
+    def image_prompt(self, tokenizer: Tokenizer) -> ImagePrompt | None:
+        """How prompts for this model mark and expand images, in the tokenizer's text; None when a token
+        it needs has no text."""
+        config = self.tower.config
+        placeholder = tokenizer.id_to_token(config.placeholder_token_id)
+        if not placeholder:
+            return None
+        if config.projector != "gemma3":
+            return ImagePrompt(placeholder, config.placeholder_token_id, config.image_token_id, 1, placeholder)
+        soft, end = tokenizer.id_to_token(config.image_token_id), tokenizer.id_to_token(config.eoi_token_id)
+        if not soft or not end:
+            return None
+        sequence = f"\n\n{placeholder}{soft * config.tokens_per_image}{end}\n\n"
+        return ImagePrompt(placeholder, config.placeholder_token_id, config.image_token_id, config.tokens_per_image,
+                           sequence)
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A model's image marks: `placeholder` (token placeholder_token_id) in a prompt's text stands for one
+    image, and becomes `sequence` (the HF processor's expansion, holding tokens_each image tokens) before
+    tokenizing."""
+
+    placeholder: str
+    placeholder_token_id: int
+    image_token_id: int
+    tokens_each: int
+    sequence: str
+
+    def expand_text(self, text: str) -> str:
+        """The text as the HF processor has it before tokenizing (LLaVA's is unchanged)."""
+        return text if self.sequence == self.placeholder else text.replace(self.placeholder, self.sequence)
+
+    def place(self, input_ids: Sequence[int], embeddings: Sequence[Embedding]) -> list[int]:
+        """Token ids of an expanded prompt -> the embeddings' ids in place of each image's tokens
+        (ValueError when the counts differ)."""
+        return expand_image_placeholders(input_ids, embeddings, self.image_token_id, self.tokens_each)
+
+    def expand_tokens(self, input_ids: Sequence[int], tokenizer: Tokenizer) -> list[int]:
+        """Token ids whose images are marked by the placeholder token (a request's input_ids) with each
+        placeholder expanded into the sequence's tokens, token by token as vLLM expands a token prompt
+        (newlines next to it are not merged)."""
+        if self.tokens_each == 1:
+            return list(input_ids)
+        sequence = tokenizer.encode(self.sequence, add_special_tokens=False)
+        return [t for token in input_ids for t in (sequence if token == self.placeholder_token_id else [token])]
+
 
 def expand_image_placeholders(input_ids: Sequence[int], embeddings: Sequence[Embedding],
-                              image_token_id: int) -> list[int]:
-    """input_ids with its i-th image token replaced by embeddings[i].token_ids (LLaVA: one image token per
-    image in the prompt, as the chat template writes `<image>`). ValueError when the counts differ."""
+                              image_token_id: int, tokens_each: int = 1) -> list[int]:
+    """input_ids with its i-th run of tokens_each image tokens replaced by embeddings[i].token_ids (LLaVA:
+    one image token per image, as the chat template writes `<image>`; Gemma 3: the processor's
+    tokens_per_image soft tokens). ValueError when the counts differ."""
     positions = [i for i, token in enumerate(input_ids) if token == image_token_id]
-    if len(positions) != len(embeddings):
+    runs = [positions[i : i + tokens_each] for i in range(0, len(positions), tokens_each)]
+    if len(positions) != tokens_each * len(embeddings) or any(run[-1] - run[0] != tokens_each - 1 for run in runs):
+        each = "exactly one" if tokens_each == 1 else f"one run of {tokens_each}"
         raise ValueError(f"the prompt has {len(positions)} image tokens (id {image_token_id}) for "
-                         f"{len(embeddings)} images: each image needs exactly one")
+                         f"{len(embeddings)} images: each image needs {each}")
     expanded: list[int] = []
     start = 0
-    for position, embedding in zip(positions, embeddings, strict=True):
-        expanded += input_ids[start:position]
+    for run, embedding in zip(runs, embeddings, strict=True):
+        expanded += input_ids[start : run[0]]
         expanded += embedding.token_ids
-        start = position + 1
+        start = run[-1] + 1
     expanded += input_ids[start:]
     return expanded
