@@ -34,10 +34,11 @@ from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchRow:
     """tokens are the ids at positions start .. start + len(tokens) - 1; the
-    last num_logits of them need next-token logits."""
+    last num_logits of them need next-token logits. Not frozen: one is built per
+    job per step, and a frozen dataclass's __init__ is several times slower."""
 
     sequence: Sequence
     start: int

@@ -22,9 +22,10 @@ from engine.sequence import Sequence
 from engine.spec_decode import accept, verify_rows
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SampledJob:
-    """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified."""
+    """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified.
+    Not frozen, as SampleRow: one is built per job per step."""
 
     sequence: Sequence
     first: int
@@ -77,10 +78,14 @@ class StepBatch:
                     prompts.append(chunk)
             logits_rows += row.num_logits
             if item.samples:
-                sample_at += range(logits_rows - 1 - len(draft), logits_rows)
                 sampled.append(SampledJob(sequence, len(samples), draft))
                 state = states[sequence.serial]
-                samples += verify_rows(sequence, state, draft) if draft else [SampleRow.next_token(sequence, state)]
+                if draft:
+                    sample_at += range(logits_rows - 1 - len(draft), logits_rows)
+                    samples += verify_rows(sequence, state, draft)
+                else:
+                    sample_at.append(logits_rows - 1)
+                    samples.append(SampleRow.next_token(sequence, state))
             if sequence.num_computed < sequence.num_prompt_tokens:
                 prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
         picked = sample_at if logits_rows > len(sample_at) else None  # prompt rows besides the sample rows
@@ -130,7 +135,7 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
         state = states.get(serial)
         if state is None or serial in decided:
             continue
-        emitted = accept(draft, tokens[first : first + len(draft) + 1])
+        emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
         if emitted[-1] < 0:
             taken.failed[serial] = _row_error(sampler, first + len(emitted) - 1)
             continue
