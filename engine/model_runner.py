@@ -37,8 +37,8 @@ from engine.sequence import Sequence
 @dataclass(slots=True)
 class BatchRow:
     """tokens are the ids at positions start .. start + len(tokens) - 1; the
-    last num_logits of them need next-token logits. Not frozen: one is built per
-    job per step, and a frozen dataclass's __init__ is several times slower."""
+    last num_logits of them need next-token logits. Not frozen, as
+    engine/sampling_state.SampleRow."""
 
     sequence: Sequence
     start: int

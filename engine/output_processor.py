@@ -53,8 +53,8 @@ class RequestState:
 
 @dataclass(slots=True)
 class StepTokens:
-    """Tokens the step appended to a job (already in sequence.token_ids), with their logprobs. Not
-    frozen, as the other records built per job per step (engine/sampling_state.SampleRow)."""
+    """Tokens the step appended to a job (already in sequence.token_ids), with their logprobs.
+    Not frozen, as SampleRow."""
 
     sequence: Sequence
     tokens: list[int]
@@ -102,8 +102,8 @@ class ProcessedStep:
 @dataclass(slots=True)
 class _Released:
     """Text a token (or the end of generation) released, and what it decided: a stop string that
-    ends the job, or the generated token to rewind to because a banned string appeared (built per
-    token: not frozen, see StepTokens)."""
+    ends the job, or the generated token to rewind to because a banned string appeared (not frozen,
+    as SampleRow)."""
 
     text: str
     stop_string: str | None = None

@@ -42,7 +42,8 @@ class SampleRow:
     commit: the drawn token is the job's (plain rows), so counts and mirostat's mu move with it;
     verify and draft rows leave the state alone (the step records what verification keeps).
     allowed: a [vocab] bool mask this row obeys instead of the constraint's current mask. Never
-    changed once built, but not frozen: one is built per job per step (engine/step_batch.py)."""
+    changed once built, but not frozen: one is built per job per step, and a frozen dataclass's
+    __init__ (object.__setattr__ per field) costs about five times as much."""
 
     sequence: Sequence
     state: SamplingState

@@ -25,7 +25,7 @@ from engine.spec_decode import accept, verify_rows
 @dataclass(slots=True)
 class SampledJob:
     """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified.
-    Not frozen, as SampleRow: one is built per job per step."""
+    Not frozen, as SampleRow."""
 
     sequence: Sequence
     first: int
@@ -78,14 +78,10 @@ class StepBatch:
                     prompts.append(chunk)
             logits_rows += row.num_logits
             if item.samples:
+                sample_at += range(logits_rows - 1 - len(draft), logits_rows)
                 sampled.append(SampledJob(sequence, len(samples), draft))
                 state = states[sequence.serial]
-                if draft:
-                    sample_at += range(logits_rows - 1 - len(draft), logits_rows)
-                    samples += verify_rows(sequence, state, draft)
-                else:
-                    sample_at.append(logits_rows - 1)
-                    samples.append(SampleRow.next_token(sequence, state))
+                samples += verify_rows(sequence, state, draft) if draft else [SampleRow.next_token(sequence, state)]
             if sequence.num_computed < sequence.num_prompt_tokens:
                 prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
         picked = sample_at if logits_rows > len(sample_at) else None  # prompt rows besides the sample rows
