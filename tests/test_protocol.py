@@ -38,6 +38,14 @@ def problems(payload: Any) -> str:
     return str(info.value)
 
 
+def refusal(payload: Any, expected: list[str]) -> str:
+    """The message refusing payload, which must contain every expected fragment."""
+    message = problems(payload)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
 # (payload, substrings the message must contain: the field, and the limit where there is one)
 INVALID: dict[str, tuple[Any, list[str]]] = {
     "unknown field": ({"prompt": "x", "temprature": 0.5}, ["temprature: unknown field", "allowed: prompt"]),
@@ -126,10 +134,7 @@ INVALID: dict[str, tuple[Any, list[str]]] = {
 
 @pytest.mark.parametrize("case", sorted(INVALID))
 def test_invalid_request_is_rejected_with_a_message_naming_the_field_and_limit(case: str):
-    payload, expected = INVALID[case]
-    message = problems(payload)
-    for fragment in expected:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
+    message = refusal(*INVALID[case])
     assert all(re.match(r"^[\w.\[\]|()\- ]+: \S", line) for line in message.splitlines()), message
 
 
@@ -676,10 +681,7 @@ IMAGE_REFUSALS: dict[str, tuple[Any, list[str]]] = {
 
 @pytest.mark.parametrize("case", sorted(IMAGE_REFUSALS))
 def test_image_refusals_name_the_field_path_and_the_limit(case: str):
-    payload, expected = IMAGE_REFUSALS[case]
-    message = problems(payload)
-    for fragment in expected:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
+    refusal(*IMAGE_REFUSALS[case])
 
 
 def test_images_travel_in_prompt_order_with_their_paths():
