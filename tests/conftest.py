@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ import torch
 from celery import Celery
 
 from genq_dev.tiny_model import PRESETS, SPECIAL_TOKENS, make_tiny_model, write_tokenizer_files
+from genq_dev.tiny_vlm import make_tiny_vlm
 from tests.service import plain_client
 from worker.processes import RedisServer
 
@@ -108,3 +110,29 @@ def client(redis_url: str) -> Celery:
 @pytest.fixture(scope="session")
 def redis_client(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA directory (CLIP tower, MLP projector, Llama text model)."""
+    return make_tiny_vlm(tmp_path_factory.mktemp("llava"), "llava")
+
+
+@pytest.fixture(scope="module")
+def hf_llava(llava_dir: Path) -> Any:
+    import transformers
+
+    return transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Gemma 3 vision-language directory (SigLIP tower, Gemma 3 projector)."""
+    return make_tiny_vlm(tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3(gemma3_dir: Path) -> Any:
+    import transformers
+
+    return transformers.Gemma3ForConditionalGeneration.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
