@@ -112,27 +112,39 @@ def redis_client(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random LLaVA directory (CLIP tower, MLP projector, Llama text model)."""
-    return make_tiny_vlm(tmp_path_factory.mktemp("llava"), "llava")
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
+    """kind ("llava" or "gemma3") -> a tiny random vision-language directory and transformers' model
+    loaded from it (AutoModelForImageTextToText), made once per session."""
+    made: dict[str, tuple[Path, Any]] = {}
+
+    def make(kind: str) -> tuple[Path, Any]:
+        if kind not in made:
+            import transformers
+
+            path = make_tiny_vlm(tmp_path_factory.mktemp(kind), kind)
+            hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+            made[kind] = path, hf
+        return made[kind]
+
+    return make
 
 
-@pytest.fixture(scope="module")
-def hf_llava(llava_dir: Path) -> Any:
-    import transformers
-
-    return transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+@pytest.fixture
+def llava_dir(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Path:
+    return tiny_vlm("llava")[0]
 
 
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Gemma 3 vision-language directory (SigLIP tower, Gemma 3 projector)."""
-    return make_tiny_vlm(tmp_path_factory.mktemp("gemma3"), "gemma3")
+@pytest.fixture
+def hf_llava(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Any:
+    return tiny_vlm("llava")[1]
 
 
-@pytest.fixture(scope="module")
-def hf_gemma3(gemma3_dir: Path) -> Any:
-    import transformers
+@pytest.fixture
+def gemma3_dir(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Path:
+    return tiny_vlm("gemma3")[0]
 
-    return transformers.Gemma3ForConditionalGeneration.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+
+@pytest.fixture
+def hf_gemma3(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Any:
+    return tiny_vlm("gemma3")[1]
