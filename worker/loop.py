@@ -103,6 +103,7 @@ class LoopCounters:
     cancelled: int = 0
     expired: int = 0
     requeued: int = 0
+    adapter_slot_waits: int = 0  # times a request was put back to wait for a resident LoRA adapter slot
     peak_active_jobs: int = 0
     busy_s: float = 0.0
 
@@ -343,6 +344,7 @@ class EngineLoop:
             try:
                 self.generator.enqueue(submission.jobs)
             except AdaptersBusy:
+                self.counters.adapter_slot_waits += 1
                 self._waiting_for_adapter.append(submission)
                 return
             except (JobRejected, QueueFull) as error:
