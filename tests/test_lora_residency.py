@@ -63,9 +63,13 @@ def test_an_adapter_a_live_job_holds_is_never_evicted_the_other_waits(
     with pytest.raises(AdaptersBusy, match="adapter 'a' waits for a resident slot: all max_loras=1"):
         bounded.enqueue(Job(PROMPTS[0], 12, stop_conditions=[], adapter="a"))
     assert bounded.adapters.resident() == ["b"] and bounded.num_remaining_jobs() == 1
+    bounded.adapters.register("a2", adapters["a"])  # registered meanwhile: kept in host memory, b stays
+    assert bounded.adapters.resident() == ["b"] and bounded.adapters.names() == ["a", "a2", "b"]
     bounded.enqueue(Job(PROMPTS[1], 12, stop_conditions=[], identifier="base"))  # the base model needs no slot
     run(bounded, [])
-    assert completions(bounded, "a") == completions(generator(base, adapters, None), "a")
+    expected = completions(generator(base, adapters, None), "a")
+    assert completions(bounded, "a") == expected and completions(bounded, "a2") == expected
+    assert bounded.adapters.resident() == ["a2"]
 
 
 def test_offload_and_load_to_move_every_tensor(base_and_adapters: tuple[Path, dict[str, Path]]) -> None:
