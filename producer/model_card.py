@@ -28,7 +28,8 @@ CARD_VERSION changes only when a reader of the previous version would misread a 
 field with a default that means "not said" (bos_token_id, chat_template_digest: null from older
 workers) keeps the version: older readers ignore it, newer ones treat null as not published.
 `images` (issue 27) keeps it too: null means the model takes no images, which is true of every
-older worker (none ran a vision tower).
+older worker (none ran a vision tower). `adapters` (issue 28) keeps it too: an older worker's card
+has none, and it serves none.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class WorkerCard(BaseModel):
         description="SHA-256 of the chat template JSON; null without a chat template or from older workers")
     images: ImageSupport | None = Field(default=None, description="null: the model takes no images (and every "
                                                                   "older worker's card)")
+    adapters: list[str] = Field(default_factory=list,
+                                description="the LoRA adapters the worker serves, by name (sorted): a request names "
+                                            "one in `adapter`; empty: the base model only (and older workers)")
     heartbeat_at: float = Field(description="unix time of the worker's last refresh")
 
 

@@ -378,6 +378,37 @@ def test_cancel_message_is_the_documented_json():
     assert p.CANCEL_KEY_VALUE == "1" and p.CANCEL_KEY_TTL_S == 3600
 
 
+def test_adapter_control_messages_are_the_documented_json_and_strict():
+    assert json.loads(p.load_adapter_message("genq", "sql-bot", "/srv/lora/sql")) == {
+        "load_adapter": {"queue": "genq", "name": "sql-bot", "path": "/srv/lora/sql"}}
+    assert json.loads(p.unload_adapter_message("genq", "sql-bot")) == {
+        "unload_adapter": {"queue": "genq", "name": "sql-bot"}}
+    doc = DOC.read_text()
+    assert """PUBLISH {prefix}:control '{"load_adapter": {"queue": "<queue>", "name": "<name>", "path": "<dir>"}}'""" \
+        in doc
+    assert """PUBLISH {prefix}:control '{"unload_adapter": {"queue": "<queue>", "name": "<name>"}}'""" in doc
+    with pytest.raises(ProtocolError, match="^load_adapter.name: must be 1 to 128"):
+        p.load_adapter_message("genq", "a b", "/x")
+    with pytest.raises(ProtocolError, match="^load_adapter.path: a path holds no NUL"):
+        p.load_adapter_message("genq", "a", "/x\x00")
+    with pytest.raises(ProtocolError, match=f"^load_adapter.path: at most {p.MAX_ADAPTER_PATH_CHARS} characters"):
+        p.load_adapter_message("genq", "a", "/" * (p.MAX_ADAPTER_PATH_CHARS + 1))
+    with pytest.raises(ProtocolError, match="^unload_adapter.queue: must be 1 to 128"):
+        p.unload_adapter_message("a queue", "a")
+    for two in ({"cancel": "q1", "unload_adapter": {"queue": "q", "name": "a"}}, {}):
+        with pytest.raises(ValueError, match="exactly one of cancel, load_adapter, unload_adapter"):
+            p.ControlMessage.model_validate(two)
+    with pytest.raises(ValueError, match="extra"):
+        p.ControlMessage.model_validate({"unload_adapter": {"queue": "q", "name": "a", "path": "/x"}})
+
+
+def test_a_request_names_its_adapter_by_the_identifier_rule():
+    assert GenerationRequest.parse_payload({"prompt": "x", "adapter": "sql-bot.v2"}).adapter == "sql-bot.v2"
+    assert GenerationRequest.parse_payload({"prompt": "x"}).adapter is None
+    assert "adapter: at most 128 characters" in problems({"prompt": "x", "adapter": "a" * 129})
+    assert "adapter: must be 1 to 128 characters" in problems({"prompt": "x", "adapter": "sql bot"})
+
+
 @pytest.mark.parametrize("bad", ["", "a b", "a/b", "-a", "a" * 129, "ü", "a\n", None, 5])
 @pytest.mark.parametrize("helper", [p.channel_name, p.stream_key, p.cancel_key])
 def test_name_helpers_reject_bad_identifiers(helper, bad):

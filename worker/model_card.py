@@ -48,7 +48,7 @@ def describe(generator: Generator, model: str) -> tuple[WorkerCard, str, str | N
                       tool_format=model_tool_format(chat), reasoning_format=model_reasoning_format(chat),
                       tokenizer_digest=_digest(tokenizer_json), bos_token_id=tokenizer.bos_token_id,
                       chat_template_digest=None if template_json is None else _digest(template_json),
-                      images=image_support(generator),
+                      images=image_support(generator), adapters=generator.adapters.names(),
                       heartbeat_at=0.0)
     return card, tokenizer_json, template_json
 
@@ -74,6 +74,12 @@ class CardPublisher:
         self.blobs = {tokenizer_key(card.tokenizer_digest, prefix): tokenizer_json}
         if card.chat_template_digest is not None and chat_template_json is not None:
             self.blobs[chat_template_key(card.chat_template_digest, prefix)] = chat_template_json
+
+    def set_adapters(self, names: list[str]) -> None:
+        """Publish the card again at once with these LoRA adapters (sorted), so that a load or
+        unload shows up without waiting for the next heartbeat."""
+        self.card = self.card.model_copy(update={"adapters": sorted(names)})
+        self.heartbeat()
 
     def heartbeat(self) -> None:
         """Write this worker's entry with the current time; the tokenizer and chat template JSON
