@@ -55,6 +55,7 @@ class Runtime:
             config=settings.engine_config(),
             progress=LoadProgress(logger=log),
             draft_model_path=settings.draft_model,
+            mmproj=settings.mmproj,
         )
         client = settings.redis()
         warn_without_persistence(client)
