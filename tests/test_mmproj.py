@@ -13,11 +13,18 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from celery import Celery
 
+from engine import Job
 from engine.errors import ModelLoadError
+from engine.vision.images import expand_image_placeholders
 from genq_dev.tiny_vlm import make_tiny_vlm
+from image_input import decode_image
+from producer.client import GenqClient
 from tests.engine_runs import run
+from tests.gateway_service import running_worker
 from tests.gguf_mmproj_files import write_llava_gguf
+from tests.test_gateway_images import b64, png
 from tests.test_image_jobs import generator_for, hf_generate, image_jobs, make_images, vision_of
 from tests.test_vision_towers import TOLERANCE, hf_features
 from worker.cli import build_parser
@@ -117,3 +124,25 @@ def test_the_worker_takes_the_mmproj_from_its_option_or_environment(monkeypatch:
     assert build_parser().parse_args(["worker", "--model", "m.gguf", "--mmproj", "p.gguf"]).mmproj == "p.gguf"
     monkeypatch.setenv("GENQ_MMPROJ", "q.gguf")
     assert Settings(model="m.gguf").mmproj == "q.gguf"
+
+
+def test_a_worker_serves_images_with_the_mmproj(llava_gguf: tuple[Path, Path], redis_url: str, celery_client: Celery,
+                                                tmp_path: Path):
+    """`genq worker --model text.gguf --mmproj mmproj.gguf`: its card takes images and an image request gets
+    the engine's greedy tokens."""
+    text, mmproj = llava_gguf
+    image = png()
+    generator = generator_for(text, mmproj=mmproj)
+    vision = vision_of(generator)
+    prompt = generator.tokenizer.encode("<image> describe", add_special_tokens=generator.tokenizer.add_bos_token)
+    assert prompt.count(vision.image_token_id) == 1
+    embeddings = vision.prepare([decode_image(image)])
+    job = Job(expand_image_placeholders(prompt, embeddings, vision.image_token_id), 6, stop_conditions=[],
+              embeddings=embeddings, identifier="reference")
+    expected = run(generator, [job])["reference"].completion_ids
+    queue = "genq-mmproj"
+    with running_worker(text, redis_url, celery_client, tmp_path, queue, "mmproj-worker", mmproj=str(mmproj)), \
+            GenqClient(redis_url, queue=queue) as genq:
+        result = genq.submit({"prompt": "<image> describe", "images": [{"data": b64(image)}], "max_new_tokens": 6,
+                              "ignore_eos": True, "sampling": {"temperature": 0}}).result(timeout=60)
+    assert result.token_ids == expected
