@@ -21,8 +21,8 @@ from image_input import decode_image
 from producer.protocol import GenerationRequest
 from tests.gateway_service import MODEL
 from tests.test_gateway_images import assert_serves_text, b64, chat, data_url, image_part, png, refusal
-from tests.test_gemma3_images import NEW_TOKENS, image_prompt
-from tests.test_image_jobs import vision_of
+from tests.test_gemma3_images import image_prompt
+from tests.test_image_jobs import NEW_TOKENS, vision_of
 from worker.jobs import encode_messages
 
 BOI_ID_FROM_END = 3  # make_tiny_vlm's boi_token_index: vocab_size - 3 (the tiny vocabulary has no <start_of_image>)

@@ -6,6 +6,7 @@ is refused naming the problem."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +34,10 @@ from worker.settings import Settings
 
 
 @pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_vlm(tmp_path_factory.mktemp("llava"), "llava")
-
-
-@pytest.fixture(scope="module")
-def llava_gguf(llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return write_llava_gguf(llava_dir, tmp_path_factory.mktemp("gguf"))
-
-
-@pytest.fixture(scope="module")
-def hf_llava(llava_dir: Path) -> Any:
-    return transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+def llava_gguf(tiny_vlm: Callable[[str], tuple[Path, Any]], tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[Path, Path]:
+    """conftest's tiny LLaVA (llava_dir) as a text GGUF and its mmproj."""
+    return write_llava_gguf(tiny_vlm("llava")[0], tmp_path_factory.mktemp("gguf"))
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
