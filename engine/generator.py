@@ -136,13 +136,15 @@ class Generator:
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | str | None = None, config: EngineConfig | None = None,
                         progress: Callable[[int, int], None] | None = None,
-                        draft_model_path: str | Path | None = None, **options: object) -> Generator:
+                        draft_model_path: str | Path | None = None, mmproj: str | Path | None = None,
+                        **options: object) -> Generator:
         """Load model + tokenizer from an HF directory or a .gguf file, and a draft model from
         draft_model_path, with paged caches sized by config.cache (engine/loading.py); options set
         single fields of config by name (cache_tokens=4096, max_batch_size=8, ...). A vision-language
-        directory's image encoder becomes generator.vision."""
+        directory's image encoder becomes generator.vision, as does the tower of an mmproj GGUF (llama.cpp's
+        vision file that goes with a text GGUF)."""
         config = (config or EngineConfig()).with_options(**options)
-        loaded = load_engine(path, torch.device(device), dtype, config, progress, draft_model_path)
+        loaded = load_engine(path, torch.device(device), dtype, config, progress, draft_model_path, mmproj=mmproj)
         generator = cls(loaded.model, loaded.cache, loaded.tokenizer, config, loaded.draft_model, loaded.draft_cache)
         generator.vision = loaded.vision
         return generator

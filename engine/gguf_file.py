@@ -29,7 +29,7 @@ fused layer.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +232,12 @@ class GGUFFile:
             yield hf_name, values
             if progress is not None:
                 progress(number, total)
+
+    def float_tensors(self) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+        """(GGUF name, a reader of its float32 values) for every tensor in file order, read only when
+        called: for files that are not a text model (an mmproj's vision tower)."""
+        for tensor in self.reader.tensors:
+            yield tensor.name, partial(self._dequantize, tensor)
 
     @staticmethod
     def _is_linear_weight(tensor: ReaderTensor) -> bool:

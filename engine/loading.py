@@ -36,8 +36,8 @@ class LoadedEngine:
 
 def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str | None, config: EngineConfig,
                 progress: Callable[[int, int], None] | None = None,
-                draft_model_path: str | Path | None = None, device_info: devices.DeviceInfo | None = None
-                ) -> LoadedEngine:
+                draft_model_path: str | Path | None = None, device_info: devices.DeviceInfo | None = None,
+                mmproj: str | Path | None = None) -> LoadedEngine:
     """The cache holds config.cache.cache_tokens, else cache_memory bytes' worth, else a device
     default (1 GiB on CPU; on CUDA engine/memory_plan.py's budget: gpu_memory_utilization of the
     GPU less what the weights and everything else use and a step's reserve; device_info answers for
@@ -47,7 +47,8 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
     proportionally more tokens. config.quantize keeps the main model's linear layers
     weight-only quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it). A
     vision-language directory's tower and image processor load too, in the model's dtype
-    (engine/vision/images.py); without preprocessor_config.json it runs text only."""
+    (engine/vision/images.py); without preprocessor_config.json it runs text only. mmproj names a
+    llama.cpp mmproj GGUF whose tower and processor go with the text model (engine/vision/mmproj.py)."""
     tokenizer = Tokenizer.from_pretrained(path)
     model = load_model(path, device, dtype, progress, config.quantize)
     cache_config = config.cache
@@ -74,7 +75,12 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
         num_pages * page_size * per_token / 2**20,
     )
     vision = None
-    if model.config.vision_language is not None and Path(path).is_dir():
+    if mmproj is not None:
+        from engine.vision.images import ImageEncoder  # Pillow: only vision-language models need it
+        from engine.vision.mmproj import load_mmproj
+
+        vision = ImageEncoder(*load_mmproj(mmproj, model.config.hidden_size, tokenizer, device, model_dtype))
+    elif model.config.vision_language is not None and Path(path).is_dir():
         if (Path(path) / "preprocessor_config.json").is_file():
             from engine.vision.images import ImageEncoder  # Pillow: only vision-language models need it
 

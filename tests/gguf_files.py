@@ -80,8 +80,10 @@ def write_gguf(
     architecture: str | None = None,
     seed: int = 0,
     drop: frozenset[str] = frozenset(),
+    control_tokens: dict[int, str] | None = None,
 ) -> Path:
-    """Convert a tiny HF model directory into a GGUF file at out, leaving out the GGUF tensors named in drop."""
+    """Convert a tiny HF model directory into a GGUF file at out, leaving out the GGUF tensors named in drop;
+    control_tokens renames vocabulary ids to special tokens (see _add_tokenizer)."""
     config = json.loads((model_dir / "config.json").read_text())
     if config.get("rope_scaling"):
         # llama.cpp would write per-dimension factors (rope_freqs.weight), which genq refuses.
@@ -102,7 +104,7 @@ def write_gguf(
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    _add_tokenizer(writer, model_dir, _PRE.get(arch, "default"))
+    _add_tokenizer(writer, model_dir, _PRE.get(arch, "default"), control_tokens or {})
     rng = np.random.default_rng(seed)
     weights = load_file(str(model_dir / "model.safetensors"))
     for hf_name, values in weights.items():
@@ -130,8 +132,9 @@ def finish(writer: GGUFWriter) -> None:
     writer.close()
 
 
-def _add_tokenizer(writer: GGUFWriter, model_dir: Path, pre: str) -> None:
-    """The HF directory's byte-level BPE vocabulary as llama.cpp stores one."""
+def _add_tokenizer(writer: GGUFWriter, model_dir: Path, pre: str, control: dict[int, str]) -> None:
+    """The HF directory's byte-level BPE vocabulary as llama.cpp stores one; each id in `control` becomes
+    that special token, and merges that spelled its old text are left out."""
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     vocab = dict(tokenizer["model"]["vocab"])
@@ -139,11 +142,16 @@ def _add_tokenizer(writer: GGUFWriter, model_dir: Path, pre: str) -> None:
     for added in tokenizer["added_tokens"]:
         vocab[added["content"]] = added["id"]
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    replaced = {tokens[i] for i in control}
+    tokens = [control.get(i, token) for i, token in enumerate(tokens)]
+    special |= set(control.values())
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]]
+    merges = [m for m in merges if "".join(m.split(" ")) not in replaced and not replaced & set(m.split(" "))]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if token in special else 1 for token in tokens])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(vocab[config["bos_token"]])
     writer.add_eos_token_id(vocab[config["eos_token"]])
     if config.get("pad_token"):

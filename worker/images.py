@@ -35,7 +35,7 @@ IMAGE_LIMITS = ImageLimits(max_bytes=MAX_IMAGE_BYTES, max_pixels=MAX_IMAGE_PIXEL
 
 def image_support(generator: Generator) -> ImageSupport | None:
     """The card's `images` for the generator's model, from the vision encoder it loaded; None when it
-    takes none (a text model, a GGUF file, a vision directory that loaded text only). An image costs
+    takes none (a text model, a GGUF file without its mmproj, a vision directory that loaded text only). An image costs
     the tokens its placeholder becomes: Gemma 3's soft tokens with the newlines and <end_of_image>
     its processor adds (at most: newlines may merge with the prompt's)."""
     if generator.vision is None:

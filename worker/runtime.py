@@ -56,6 +56,7 @@ class Runtime:
             config=settings.engine_config(),
             progress=LoadProgress(logger=log),
             draft_model_path=settings.draft_model,
+            mmproj=settings.mmproj,
         )
         load_adapters(generator, settings)
         client = settings.redis()

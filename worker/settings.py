@@ -36,6 +36,8 @@ class Settings(ClientSettings):
     stream_ttl_s: int = Field(default=3600, ge=1, description="replay streams expire this long after their last event")
 
     model: str | None = Field(default=None, description="HF model directory or .gguf file the worker serves")
+    mmproj: str | None = Field(default=None, description="llama.cpp mmproj .gguf file with the vision tower and "
+                                                         "projector that go with the model (LLaVA-1.5's MLP)")
     device: str = Field(default="cpu", description="cpu or cuda[:N]")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         default=None, description="the model's dtype (default: the checkpoint's)")

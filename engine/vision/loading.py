@@ -3,13 +3,16 @@
 Only the vision tower's and projector's tensors are read from the shards (the language model's are
 skipped by name, never materialised). Tensors the tower never uses are skipped too, by rule: SigLIP's
 attention-pooling head, CLIP's post-layernorm (it only norms the pooled class token), and the layers past
-the one LLaVA reads. Anything else unexpected, a wrong shape or a missing tensor is a ModelLoadError.
+the one LLaVA reads. Anything else unexpected, a wrong shape or a missing tensor is a ModelLoadError. A llama.cpp mmproj
+file (engine/vision/mmproj.py) fills its tower through the same empty_tower / fill_tower.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,6 +43,20 @@ def load_vision_tower(path: str | Path, device: torch.device | str = "cpu",
             raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
         dtype = _DTYPES[dtype]
     dtype = dtype or _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.float32)
+    tower = empty_tower(config, device, dtype)
+    return fill_tower(tower, _safetensors(path), str(path))
+
+
+def _safetensors(path: Path) -> Iterator[tuple[str | None, str, Callable[[], torch.Tensor]]]:
+    """(our name, the checkpoint's name, its reader) for every tensor of the directory's shards."""
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                yield vision_name(hf_name), hf_name, partial(f.get_tensor, hf_name)
+
+
+def empty_tower(config: VisionLanguageConfig, device: torch.device | str, dtype: torch.dtype) -> VisionTower:
+    """A VisionTower for config with uninitialised parameters on device (never materialised on the CPU first)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -47,27 +64,31 @@ def load_vision_tower(path: str | Path, device: torch.device | str = "cpu",
             tower = VisionTower(config)
     finally:
         torch.set_default_dtype(previous)
-    tower = tower.to_empty(device=device)
+    return tower.to_empty(device=device)
+
+
+def fill_tower(tower: VisionTower, tensors: Iterable[tuple[str | None, str, Callable[[], torch.Tensor]]],
+               where: str) -> VisionTower:
+    """Copy (our name or None to skip, the file's name, its tensor read on demand) into the tower; an
+    unexpected tensor, a wrong shape or a missing one is a ModelLoadError naming the file's tensor."""
     params = dict(tower.named_parameters())
     loaded: set[str] = set()
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                name = vision_name(hf_name)
-                if name is None or _unused(name, tower):
-                    continue
-                if name not in params:
-                    raise ModelLoadError(f"{path}: unexpected vision tensor {hf_name!r} for {config.architecture}")
-                tensor = f.get_tensor(hf_name)
-                if tensor.shape != params[name].shape:
-                    raise ModelLoadError(f"{path}: {hf_name} has shape {tuple(tensor.shape)}, the config implies "
-                                         f"{tuple(params[name].shape)}")
-                params[name].data.copy_(tensor)
-                loaded.add(name)
+    for name, source_name, read in tensors:
+        if name is None or _unused(name, tower):
+            continue
+        if name not in params:
+            raise ModelLoadError(f"{where}: unexpected vision tensor {source_name!r} for "
+                                 f"{tower.config.architecture}")
+        tensor = read()
+        if tensor.shape != params[name].shape:
+            raise ModelLoadError(f"{where}: {source_name} has shape {tuple(tensor.shape)}, the config implies "
+                                 f"{tuple(params[name].shape)}")
+        params[name].data.copy_(tensor)
+        loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} vision tensors (our names): {shown}")
+        raise ModelLoadError(f"{where}: checkpoint lacks {len(missing)} vision tensors (our names): {shown}")
     return tower.eval()
 
 
