@@ -770,6 +770,9 @@ class GenerationRequest(_Input):
                                                            "with its text (exllamav2's)")
     max_skips: int | None = Field(default=None, ge=0, le=MAX_SKIPS, description="times a request that does not fit "
                                   "the cache yet may be passed over by later ones; None = the worker's (16)")
+    adapter: Identifier | None = Field(
+        default=None, description="the LoRA adapter (a name the serving worker registered) the request runs with; "
+                                  "None = the base model (the gateway sets it from OpenAI's `model`)")
     n: int = Field(default=1, ge=1, le=MAX_N, description="parallel samples of the prompt, which is computed once; "
                                                  "sample i is seeded seed + i, its chunks carry index i")
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(

@@ -95,6 +95,7 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
         banned_strings=request.banned_strings,
         token_healing=request.token_healing,
         embeddings=images,
+        adapter=request.adapter,
     )
 
 

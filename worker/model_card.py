@@ -48,7 +48,7 @@ def describe(generator: Generator, model: str) -> tuple[WorkerCard, str, str | N
                       tool_format=model_tool_format(chat), reasoning_format=model_reasoning_format(chat),
                       tokenizer_digest=_digest(tokenizer_json), bos_token_id=tokenizer.bos_token_id,
                       chat_template_digest=None if template_json is None else _digest(template_json),
-                      images=image_support(generator),
+                      images=image_support(generator), adapters=generator.adapters.names(),
                       heartbeat_at=0.0)
     return card, tokenizer_json, template_json
 
