@@ -155,8 +155,10 @@ def table(results: dict[str, Any]) -> str:
     lines = ["| adapters over 64 jobs | tokens/s | ratio to base |", "|---:|---:|---:|"]
     for p in results["points"]:
         lines.append(f"| {p['adapters'] or 'base'} | {p['tokens_per_s']:.0f} | {p['ratio_to_base']:.2f}x |")
-    lines.append(f"\nmemory per adapter (rank {results['rank']}, 7 projections): {results['adapter_bytes'] / 2**20:.2f} "
-                 f"MiB; base weights {results['base_weight_bytes'] / 2**20:.1f} MiB; "
+    mib = results["adapter_bytes"] / 2**20
+    base_mib = results["base_weight_bytes"] / 2**20
+    lines.append(f"\nmemory per adapter (rank {results['rank']}, 7 projections): {mib:.2f} MiB; "
+                 f"base weights {base_mib:.1f} MiB; "
                  f"target >= 0.8x at 16 adapters met: {results['target_met_at_16']}")
     return "\n".join(lines)
 

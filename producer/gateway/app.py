@@ -136,10 +136,11 @@ class CancelAccepted(BaseModel):
 
 class Gateway:
     """What the handlers share: the settings, the async client (whose Redis also keeps the seen
-    webhook signatures, the task records and the workers' model card), the hub every stream's
-    live channel comes through, the open streams' count, and a connection to the broker's Redis
-    for the queue depth. Pub/sub has connections of its own; the command pools are bounded and
-    wait for a free connection, so streams never take what submissions need."""
+    webhook signatures, the task records and the workers' model cards, read per queue by the
+    model router), the hub every stream's live channel comes through, the open streams' count,
+    and a connection to the broker's Redis for the queue depth. Pub/sub has connections of its
+    own; the command pools are bounded and wait for a free connection, so streams never take
+    what submissions need."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
@@ -154,8 +155,6 @@ class Gateway:
                                           settings.redis_pool_timeout_s)
         self.records = TaskRecords(self.client, settings.key_prefix, settings.task_record_ttl_s)
         self.router = ModelRouter(self.client.redis, settings)
-        self.limits = self.router.default.cards
-        """The first queue's card: native requests that name no model go there."""
         self.streams = sse.StreamSlots(settings.max_streams_per_task, settings.max_streams_per_client,
                                        settings.retry_after_s)
         self.constraints = ConstraintChecker(settings)
