@@ -10,16 +10,17 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from celery import Celery
 
 from engine import Generator, Job
-from producer.client import GenqClient
+from producer.client import GenerationError, GenqClient
 from producer.model_routes import ModelRoute, UnknownModel, model_routes
 from producer.protocol import GenerationRequest
 from tests.engine_runs import run
-from tests.gateway_service import MODEL, TOKEN, GatewayProcess, running_worker
+from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, running_worker
 from tests.test_lora import ADAPTERS, save_peft_adapter
 from worker.jobs import build_job
 from worker.model_card import describe
@@ -43,10 +44,14 @@ def pools(tiny_model_factory: Callable[..., Path], redis_url: str, celery_client
 
 
 @pytest.fixture(scope="module")
-def oai(pools: dict[str, Path], module_gateway: Callable[..., GatewayProcess]) -> openai.OpenAI:
-    """The SDK against one gateway fronting both queues."""
-    gateway = module_gateway(QUEUES[0], "routing-gateway", GENQ_GATEWAY_QUEUES=",".join(QUEUES))
-    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+def routing_gateway(pools: dict[str, Path], module_gateway: Callable[..., GatewayProcess]) -> GatewayProcess:
+    """One gateway fronting both queues."""
+    return module_gateway(QUEUES[0], "routing-gateway", GENQ_GATEWAY_QUEUES=",".join(QUEUES))
+
+
+@pytest.fixture(scope="module")
+def oai(routing_gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{routing_gateway.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 
 def engine_text(model_dir: Path, prompt: str, adapters: dict[str, Path] | None = None,
@@ -107,6 +112,25 @@ def test_genq_client_routes_by_model_as_the_gateway_does(pools: dict[str, Path],
             assert client.submit(request, queue=route.queue).result(timeout=120).text == engine_text(path, PROMPT)
         with pytest.raises(UnknownModel, match="no-such-model"):
             client.route("no-such-model", QUEUES)
+
+
+def test_a_webhook_task_routes_by_its_model(routing_gateway: GatewayProcess, pools: dict[str, Path],
+                                           redis_url: str):
+    path = pools[QUEUES[1]]
+    accepted = httpx.post(f"{routing_gateway.url}/v1/tasks", headers=bearer(), timeout=30, json={
+        "model": str(path), "prompt": PROMPT, "max_new_tokens": MAX_TOKENS, "ignore_eos": True,
+        "sampling": {"temperature": 0}})
+    assert accepted.status_code == 202, accepted.text
+    with GenqClient(redis_url, queue=QUEUES[0]) as client:
+        assert client.handle(accepted.json()["id"]).result(timeout=120).text == engine_text(path, PROMPT)
+    unknown = httpx.post(f"{routing_gateway.url}/v1/tasks", headers=bearer(), timeout=30,
+                         json={"model": "no-such-model", "prompt": PROMPT})
+    assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "model_not_found")
+
+
+def test_a_worker_refuses_an_adapter_it_does_not_serve(pools: dict[str, Path], redis_url: str):
+    with GenqClient(redis_url, queue=QUEUES[0]) as client, pytest.raises(GenerationError, match="no-such-adapter"):
+        client.submit({"prompt": PROMPT, "max_new_tokens": 2, "adapter": "no-such-adapter"}).result(timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,8 @@ class WebhookTask(GenerationRequest):
     """The body of `POST /v1/tasks`: a generation request plus where to deliver its outcome."""
 
     callback_url: HttpUrl | None = Field(default=None, description="http(s) URL that receives the signed outcome")
+    model: str | None = Field(default=None, description="a served model or adapter, routed as OpenAI's `model` "
+                                                        "(docs/gateway.md, Routing by model); null: the first queue")
 
 
 class TaskAccepted(BaseModel):
