@@ -41,7 +41,7 @@ class ModelRouter:
         """Every name the live cards serve → its route, the alias first."""
         read = [(queue, await reader.current()) for queue, reader in self.readers.items()]
         served = model_routes([(queue, () if limits is None else limits.cards) for queue, limits in read])
-        return {self.alias: self.default.route, **served}
+        return {self.alias: self.default.route, **{name: route for name, route in served.items() if name != self.alias}}
 
     async def resolve(self, model: str) -> Target:
         """The target of `model`, or the 404 OpenAI answers for a model it does not serve."""

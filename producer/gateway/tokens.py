@@ -42,7 +42,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(default=None, description="if given, the served model's name")
+    model: str | None = Field(default=None, description="if given, a served model or adapter: its queue's card answers")
     prompt: str | None = Field(default=None, description="a text, encoded as a completions prompt is")
     messages: list[ChatMessageParam] | None = Field(default=None, description="a chat, rendered as the worker does")
     add_special_tokens: bool | None = Field(
@@ -66,7 +66,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(default=None, description="if given, the served model's name")
+    model: str | None = Field(default=None, description="if given, a served model or adapter: its queue's card answers")
     tokens: list[int]
 
 
