@@ -1,11 +1,13 @@
 """Routing by model (issue 28): a gateway in front of two worker pools serving two different
 models sends each request to the pool whose card publishes its `model`, lists every model live
 from the cards, and answers an unknown one with OpenAI's 404 `model_not_found`; GenqClient picks
-the queue the same way. Adapters: a worker's card lists its registered adapters, and a name routes
-to the adapter with its base model as parent."""
+the queue the same way. Adapters: the llama pool's worker serves two PEFT adapters
+(tests/adapter_worker.py), its card lists them, /v1/models shows them with their base model as
+parent, and an adapter's name runs that adapter (each answer equal to the engine's with it)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,17 +15,19 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 from celery import Celery
 
 from engine import Generator, Job
 from producer.client import GenerationError, GenqClient
-from producer.model_routes import ModelRoute, UnknownModel, model_routes
-from producer.protocol import GenerationRequest
+from producer.model_routes import ModelRoute, UnknownModel, model_routes, read_routes
+from producer.protocol import DEFAULT_KEY_PREFIX, GenerationRequest
 from tests.engine_runs import run
-from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, running_worker
+from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer
 from tests.test_lora import ADAPTERS, save_peft_adapter
 from worker.jobs import build_job
 from worker.model_card import describe
+from worker.processes import WorkerProcess, wait_until
 
 QUEUES = ("routing-llama", "routing-qwen")
 PROMPT = "Routing by model"
@@ -31,15 +35,33 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def pools(tiny_model_factory: Callable[..., Path], redis_url: str, celery_client: Celery,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """queue -> model dir: a real worker of a different tiny model on each queue."""
-    models = {QUEUES[0]: tiny_model_factory("llama", max_position_embeddings=1024),
-              QUEUES[1]: tiny_model_factory("qwen2", max_position_embeddings=1024, seed=1)}
+def with_adapters(tiny_model_factory: Callable[..., Path],
+                  tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """A tiny llama and two PEFT adapters of it (random non-zero A and B)."""
+    base = tiny_model_factory("llama", max_position_embeddings=1024)
+    root = tmp_path_factory.mktemp("routing-adapters")
+    return base, {name: save_peft_adapter(base, root / name, seed, **options)
+                  for seed, (name, options) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def pools(with_adapters: tuple[Path, dict[str, Path]], tiny_model_factory: Callable[..., Path], redis_url: str,
+          celery_client: Celery, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """queue -> model dir: a real worker of a different tiny model on each queue, the llama's
+    serving the adapters too (tests/adapter_worker.py), its card listing them."""
+    base, adapters = with_adapters
+    models = {QUEUES[0]: base, QUEUES[1]: tiny_model_factory("qwen2", max_position_embeddings=1024, seed=1)}
     with ExitStack() as workers:
         for queue, path in models.items():
-            workers.enter_context(running_worker(path, redis_url, celery_client, tmp_path_factory.mktemp(queue),
-                                                 queue, queue, cache_tokens=4096, concurrency=4))
+            process = WorkerProcess(path, redis_url, queue, queue, tmp_path_factory.mktemp(queue) / "worker.log",
+                                    {"cache_tokens": 4096, "page_size": 16, "concurrency": 4})
+            if path == base:
+                registered = ",".join(f"{name}={adapter}" for name, adapter in adapters.items())
+                process.args = [sys.executable, "-m", "tests.adapter_worker", registered, *process.args[3:]]
+            workers.enter_context(process).wait_ready(celery_client)
+        cards = redis.Redis.from_url(redis_url, decode_responses=True)
+        wait_until(lambda: set(adapters) <= read_routes(cards, DEFAULT_KEY_PREFIX, QUEUES).keys(), 60,
+                   "the adapter worker's card to list its adapters")
         yield models
 
 
@@ -85,11 +107,24 @@ def test_the_configured_model_name_still_names_the_first_queue_s_model(oai: open
     assert reply.choices[0].text == engine_text(pools[QUEUES[0]], PROMPT)
 
 
-def test_models_lists_every_pool_s_model_live_from_the_cards(oai: openai.OpenAI, pools: dict[str, Path]):
-    listed = {model.id: model for model in oai.models.list()}
-    assert set(listed) == {MODEL, *(str(path) for path in pools.values())}
-    assert all(getattr(model, "parent", None) is None for model in listed.values())
+def test_models_lists_every_pool_s_model_and_adapter_live_from_the_cards(
+        oai: openai.OpenAI, pools: dict[str, Path], with_adapters: tuple[Path, dict[str, Path]]):
+    base, adapters = with_adapters
+    listed = {model.id: getattr(model, "parent", None) for model in oai.models.list()}
+    assert listed == {MODEL: None, **{str(path): None for path in pools.values()},
+                      **dict.fromkeys(adapters, str(base))}
     assert oai.models.retrieve(str(pools[QUEUES[1]])).id == str(pools[QUEUES[1]])
+    assert getattr(oai.models.retrieve("full"), "parent", None) == str(base)
+
+
+def test_an_adapter_s_name_runs_the_adapter_on_its_base_model_s_pool(
+        oai: openai.OpenAI, with_adapters: tuple[Path, dict[str, Path]]):
+    base, adapters = with_adapters
+    replies = {name: oai.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text for name in adapters}
+    for name, text in replies.items():
+        assert text == engine_text(base, PROMPT, adapters, name)
+    assert len({*replies.values(), engine_text(base, PROMPT)}) == 3, "each adapter changes the base model's text"
 
 
 def test_an_unknown_model_is_openai_s_404_model_not_found(oai: openai.OpenAI):
@@ -131,15 +166,6 @@ def test_a_webhook_task_routes_by_its_model(routing_gateway: GatewayProcess, poo
 def test_a_worker_refuses_an_adapter_it_does_not_serve(pools: dict[str, Path], redis_url: str):
     with GenqClient(redis_url, queue=QUEUES[0]) as client, pytest.raises(GenerationError, match="no-such-adapter"):
         client.submit({"prompt": PROMPT, "max_new_tokens": 2, "adapter": "no-such-adapter"}).result(timeout=120)
-
-
-@pytest.fixture(scope="module")
-def with_adapters(tiny_model_factory: Callable[..., Path],
-                  tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    base = tiny_model_factory("llama", max_position_embeddings=1024)
-    root = tmp_path_factory.mktemp("routing-adapters")
-    return base, {name: save_peft_adapter(base, root / name, seed, **options)
-                  for seed, (name, options) in enumerate(ADAPTERS.items())}
 
 
 def test_a_worker_card_lists_its_adapters_and_each_routes_to_its_pool(with_adapters: tuple[Path, dict[str, Path]]):
