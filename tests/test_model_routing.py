@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -117,14 +118,22 @@ def test_models_lists_every_pool_s_model_and_adapter_live_from_the_cards(
     assert getattr(oai.models.retrieve("full"), "parent", None) == str(base)
 
 
-def test_an_adapter_s_name_runs_the_adapter_on_its_base_model_s_pool(
+def test_a_burst_of_adapters_and_the_base_model_each_get_their_own_answer(
         oai: openai.OpenAI, with_adapters: tuple[Path, dict[str, Path]]):
+    """Both adapters and the base model (by its card's name), twice each, sent at once to one worker."""
     base, adapters = with_adapters
-    replies = {name: oai.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                            extra_body={"ignore_eos": True}).choices[0].text for name in adapters}
-    for name, text in replies.items():
-        assert text == engine_text(base, PROMPT, adapters, name)
-    assert len({*replies.values(), engine_text(base, PROMPT)}) == 3, "each adapter changes the base model's text"
+    names = [*adapters, str(base)] * 2
+
+    def complete(name: str) -> str:
+        return oai.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text or ""
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        replies = list(pool.map(complete, names))
+    expected = {name: engine_text(base, PROMPT, adapters, name) for name in adapters}
+    expected[str(base)] = engine_text(base, PROMPT)
+    assert replies == [expected[name] for name in names]
+    assert len(set(expected.values())) == 3, "each adapter changes the base model's text"
 
 
 def test_an_unknown_model_is_openai_s_404_model_not_found(oai: openai.OpenAI):
