@@ -403,10 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine_info(),
         "settings": {
             "quick": args.quick,
-            "num_requests": spec.num_requests,
-            "prompt_len_range": list(spec.prompt_len),
-            "max_new_tokens_range": list(spec.new_tokens),
-            "seed": spec.seed,
+            **spec.settings(),
             "models": [*args.models, *(str(path) for path in args.model)],
             "systems": args.systems,
             "threads": args.threads,

@@ -332,10 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine_info(),
         "settings": {
             "quick": args.quick,
-            "num_requests": spec.num_requests,
-            "prompt_len_range": list(spec.prompt_len),
-            "max_new_tokens_range": list(spec.new_tokens),
-            "seed": spec.seed,
+            **spec.settings(),
             "single_requests": args.singles,
             "single_max_new_tokens": SINGLE_NEW_TOKENS,
             "single_seed": SINGLE_SEED,

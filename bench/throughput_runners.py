@@ -37,6 +37,11 @@ class WorkloadSpec:
     new_tokens: tuple[int, int]
     seed: int = 0
 
+    def settings(self) -> dict[str, Any]:
+        """The workload as a results file's settings record it."""
+        return {"num_requests": self.num_requests, "prompt_len_range": list(self.prompt_len),
+                "max_new_tokens_range": list(self.new_tokens), "seed": self.seed}
+
 
 @dataclass
 class Trace:

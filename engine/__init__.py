@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from engine.embeddings import Embedding
     from engine.engine_config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from engine.errors import (
+        AdaptersBusy,
         JobRejected,
         ModelLoadError,
         QueueFull,
@@ -35,6 +36,7 @@ _MODULES = {
     "EngineConfig": "engine.engine_config",
     "SchedulerConfig": "engine.engine_config",
     "SpeculativeConfig": "engine.engine_config",
+    "AdaptersBusy": "engine.errors",
     "JobRejected": "engine.errors",
     "ModelLoadError": "engine.errors",
     "QueueFull": "engine.errors",
@@ -69,6 +71,7 @@ __all__ = [
     "Generator",
     "GeneratorStats",
     "Job",
+    "AdaptersBusy",
     "JobRejected",
     "ModelLoadError",
     "QueueFull",

@@ -17,6 +17,11 @@ class QueueFull(RuntimeError):
     """enqueue() was called with max_pending jobs already waiting; retry later (backpressure)."""
 
 
+class AdaptersBusy(RuntimeError):
+    """enqueue() found every resident adapter slot (max_loras) held by a live job of another adapter:
+    retry once one of them ends (vLLM keeps such a request waiting; the worker loop does too)."""
+
+
 class AdapterLoadError(ValueError):
     """A LoRA adapter directory the engine refuses: a missing or unreadable file, a shape that does
     not fit the base model, an unknown target module, a rank past the limit, an unsupported option."""

@@ -125,7 +125,8 @@ class Generator:
         self.counters = StepCounters()
         self.vision: ImageEncoder | None = None  # a vision-language model's images -> Embeddings
         # LoRA adapters jobs may name (Job(adapter=...)): register / unregister between iterate() calls
-        self.adapters = AdapterRegistry(model.config, model.embed_tokens.weight.dtype, self.device)
+        self.adapters = AdapterRegistry(model.config, model.embed_tokens.weight.dtype, self.device,
+                                        held=self._held_adapters)
 
     @property
     def pool(self) -> PagePool:
@@ -150,8 +151,9 @@ class Generator:
 
     def enqueue(self, job: Job | Seq[Job]) -> int | list[int]:
         """Queue a job (or a list of jobs, in order: their serials); returns its serial. Raises
-        JobRejected if it can never run here, QueueFull if max_pending jobs are already waiting.
-        A list is checked whole first, so it is queued entirely or not at all."""
+        JobRejected if it can never run here, QueueFull if max_pending jobs are already waiting,
+        AdaptersBusy if its LoRA adapter finds every resident slot held (retry later). A list is
+        checked whole first, so it is queued entirely or not at all."""
         jobs = [job] if isinstance(job, Job) else list(job)
         waiting = self.num_pending_jobs()
         if waiting + len(jobs) > self.max_pending:
@@ -159,9 +161,17 @@ class Generator:
                             f"max_pending={self.max_pending}")
         for each in jobs:
             admit(each, self.limits)
-        adapters = [self.adapters.resolve(each.adapter) for each in jobs]
+        holding: set[int] = set()
+        adapters = []
+        for each in jobs:
+            adapters.append(adapter := self.adapters.resolve(each.adapter, holding))
+            holding.add(id(adapter))
         serials = [self._enqueue(each, adapter) for each, adapter in zip(jobs, adapters, strict=True)]
         return serials[0] if isinstance(job, Job) else serials
+
+    def _held_adapters(self) -> set[int]:
+        """Ids of the LoRA adapters live jobs hold: the registry never offloads them."""
+        return {id(s.adapter) for s in self._sequences.values() if s.adapter is not None}
 
     def _enqueue(self, job: Job, adapter: LoraAdapter | None) -> int:
         """Queue the job (with the LoRA adapter it names, held until it ends); a constrained one waits

@@ -35,10 +35,11 @@ from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchRow:
     """tokens are the ids at positions start .. start + len(tokens) - 1; the
-    last num_logits of them need next-token logits."""
+    last num_logits of them need next-token logits. Not frozen, as
+    engine/sampling_state.SampleRow."""
 
     sequence: Sequence
     start: int

@@ -51,9 +51,10 @@ class RequestState:
     rejected_draft_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepTokens:
-    """Tokens the step appended to a job (already in sequence.token_ids), with their logprobs."""
+    """Tokens the step appended to a job (already in sequence.token_ids), with their logprobs.
+    Not frozen, as SampleRow."""
 
     sequence: Sequence
     tokens: list[int]
@@ -98,10 +99,11 @@ class ProcessedStep:
                 | {r.serial for r in self.rewinds})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Released:
     """Text a token (or the end of generation) released, and what it decided: a stop string that
-    ends the job, or the generated token to rewind to because a banned string appeared."""
+    ends the job, or the generated token to rewind to because a banned string appeared (not frozen,
+    as SampleRow)."""
 
     text: str
     stop_string: str | None = None

@@ -35,13 +35,15 @@ class SamplingState:
         self.banned_at = bans
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SampleRow:
     """One draw: the job's token number `draw` (counting generated tokens from 0), in a context
     of its tokens plus `pending` (draft tokens not yet accepted, for verify and draft rows).
     commit: the drawn token is the job's (plain rows), so counts and mirostat's mu move with it;
     verify and draft rows leave the state alone (the step records what verification keeps).
-    allowed: a [vocab] bool mask this row obeys instead of the constraint's current mask."""
+    allowed: a [vocab] bool mask this row obeys instead of the constraint's current mask. Never
+    changed once built, but not frozen: one is built per job per step, and a frozen dataclass's
+    __init__ (object.__setattr__ per field) costs about five times as much."""
 
     sequence: Sequence
     state: SamplingState
@@ -77,11 +79,12 @@ def append_tokens(sequence: Sequence, state: SamplingState, tokens: list[int]) -
     the kept tokens and starts computing its next mask. Stop strings need the text: the output
     processor finds them."""
     job = sequence.job
+    before = sequence.num_generated
     kept, done = tokens, False
-    for i, token in enumerate(tokens):
-        generated = sequence.num_generated + i + 1
+    for i, token in enumerate(tokens, 1):
+        generated = before + i
         if generated >= job.max_new_tokens or (token in state.stop_token_ids and generated >= job.min_new_tokens):
-            kept, done = tokens[: i + 1], True
+            kept, done = tokens[:i], True
             break
     complete = False
     if state.constraint is not None:

@@ -22,9 +22,10 @@ from engine.sequence import Sequence
 from engine.spec_decode import accept, verify_rows
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SampledJob:
-    """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified."""
+    """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified.
+    Not frozen, as SampleRow."""
 
     sequence: Sequence
     first: int
@@ -130,7 +131,7 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
         state = states.get(serial)
         if state is None or serial in decided:
             continue
-        emitted = accept(draft, tokens[first : first + len(draft) + 1])
+        emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
         if emitted[-1] < 0:
             taken.failed[serial] = _row_error(sampler, first + len(emitted) - 1)
             continue

@@ -38,7 +38,7 @@ TIMEOUT_GRACE_S = 10.0
 (a worker that stops at the deadline still has to report it)."""
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "seed")
 REQUEST_OPTIONS = ("max_new_tokens", "min_new_tokens", "priority", "n", "max_skips", "stop", "ignore_eos",
-                   "banned_strings", "token_healing", "identifier")
+                   "banned_strings", "token_healing", "identifier", "adapter")
 """Options named after their request field (dest), copied into the request when given."""
 
 
@@ -51,7 +51,8 @@ class UsageError(Exception):
 
 def run(args: argparse.Namespace) -> int:
     """Run `genq {args.command}` with a client, turning the failures every command shares into exit codes."""
-    command = {"submit": _submit, "stream": _stream, "cancel": _cancel, "result": _result}[args.command]
+    command = {"submit": _submit, "stream": _stream, "cancel": _cancel, "result": _result,
+               "adapters": _adapters}[args.command]
     url = args.redis_url
     try:
         with GenqClient(redis_url=url, queue=getattr(args, "queue", None)) as client:
@@ -112,6 +113,16 @@ def _stream(client: GenqClient, args: argparse.Namespace) -> int:
 def _cancel(client: GenqClient, args: argparse.Namespace) -> int:
     client.cancel(args.id)
     _say(f"cancel requested for {args.id}")
+    return EXIT_DONE
+
+
+def _adapters(client: GenqClient, args: argparse.Namespace) -> int:
+    if args.action == "load":
+        client.load_adapter(args.name, args.path)
+        _say(f"load of adapter {args.name} from {args.path} sent to the workers of queue {client.settings.queue}")
+    else:
+        client.unload_adapter(args.name)
+        _say(f"unload of adapter {args.name} sent to the workers of queue {client.settings.queue}")
     return EXIT_DONE
 
 

@@ -42,7 +42,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from producer.control import request_cancel, request_cancel_async
+from producer.control import request_adapter_load, request_adapter_unload, request_cancel, request_cancel_async
 from producer.model_routes import ModelRoute, pick, read_routes
 from producer.protocol import (
     STREAM_FIELD,
@@ -686,6 +686,17 @@ class GenqClient(_Client):
     def cancel(self, identifier: str) -> None:
         """Cancel a queued or running request (a no-op for a finished or unknown one)."""
         request_cancel(self.redis, identifier, self.key_prefix)
+
+    def load_adapter(self, name: str, path: str, queue: str | None = None) -> None:
+        """Ask the workers of `queue` (default: the client's) to load the PEFT adapter directory `path`,
+        a path on the workers' machines, under `name`; requests then name it in `adapter`. Fire and
+        forget: the workers' model cards list it once loaded (a refused one is logged by the worker)."""
+        request_adapter_load(self.redis, queue or self.settings.queue, name, path, self.key_prefix)
+
+    def unload_adapter(self, name: str, queue: str | None = None) -> None:
+        """Ask the workers of `queue` to unload adapter `name`: later requests naming it fail clearly,
+        those already admitted finish with it."""
+        request_adapter_unload(self.redis, queue or self.settings.queue, name, self.key_prefix)
 
     def close(self) -> None:
         if self.watchdog is not None:

@@ -28,8 +28,8 @@ CARD_VERSION changes only when a reader of the previous version would misread a 
 field with a default that means "not said" (bos_token_id, chat_template_digest: null from older
 workers) keeps the version: older readers ignore it, newer ones treat null as not published.
 `images` (issue 27) keeps it too: null means the model takes no images, which is true of every
-older worker (none ran a vision tower). `adapters` (issue 28) too: [] means no adapter, which is
-true of every older worker.
+older worker (none ran a vision tower). `adapters` (issue 28) keeps it too: an older worker's card
+has none, and it serves none.
 """
 
 from __future__ import annotations

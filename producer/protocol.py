@@ -54,6 +54,7 @@ __all__ = [
     "IDENTIFIER_PATTERN",
     "IDENTIFIER_RE",
     "MAX_ABS_PENALTY",
+    "MAX_ADAPTER_PATH_CHARS",
     "MAX_ABS_SKEW",
     "MAX_BANNED_TOKEN_IDS",
     "MAX_CHOICES",
@@ -153,6 +154,8 @@ __all__ = [
     "final_key",
     "cancel_key",
     "cancel_message",
+    "load_adapter_message",
+    "unload_adapter_message",
     "chained_payload",
     "channel_name",
     "control_channel",
@@ -217,6 +220,8 @@ MAX_TOP_K = MAX_TOKEN_ID
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 """An identifier names Redis keys and channels, so it is short and shell/URL-safe; a UUID fits."""
 MAX_IDENTIFIER_CHARS = 128
+MAX_ADAPTER_PATH_CHARS = 4096
+"""Longest adapter directory path a load_adapter control message may carry (Linux's PATH_MAX)."""
 MIN_PRIORITY = 0
 MAX_PRIORITY = 9
 """Celery's Redis transport priorities: 0 is the HIGHEST, 9 the lowest (see docs/protocol.md)."""
@@ -746,6 +751,8 @@ class GenerationRequest(_Input):
     add_bos: bool | None = Field(default=None, description="None = the tokenizer's default; prompt only")
     decode_special_tokens: bool = False
     identifier: Identifier | None = Field(default=None, description="names the channel and keys; None = the task id")
+    adapter: Identifier | None = Field(default=None, description="the LoRA adapter to generate with, by the name the "
+                                       "worker loaded it under (its card's `adapters`); None = the base model")
     priority: int | None = Field(default=None, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0 = highest")
     deadline: float | None = Field(default=None, gt=0.0, le=MAX_DEADLINE, description="unix time, seconds")
     timeout_s: float | None = Field(default=None, gt=0.0, le=MAX_TIMEOUT_S, description="seconds from pick-up")
@@ -770,9 +777,6 @@ class GenerationRequest(_Input):
                                                            "with its text (exllamav2's)")
     max_skips: int | None = Field(default=None, ge=0, le=MAX_SKIPS, description="times a request that does not fit "
                                   "the cache yet may be passed over by later ones; None = the worker's (16)")
-    adapter: Identifier | None = Field(
-        default=None, description="the LoRA adapter (a name the serving worker registered) the request runs with; "
-                                  "None = the base model (the gateway sets it from OpenAI's `model`)")
     n: int = Field(default=1, ge=1, le=MAX_N, description="parallel samples of the prompt, which is computed once; "
                                                  "sample i is seeded seed + i, its chunks carry index i")
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
@@ -1307,10 +1311,46 @@ class GenerationResult(_Output):
         return cls.model_validate(dict(data))
 
 
-class ControlMessage(_Output):
-    """A message on the control channel; today the only command is cancel."""
+def _check_path(value: str) -> str:
+    if "\x00" in value:
+        raise PydanticCustomError("path_nul", "a path holds no NUL character", {})
+    return value
 
-    cancel: Identifier
+
+AdapterPath = Annotated[str, Field(min_length=1, max_length=MAX_ADAPTER_PATH_CHARS), AfterValidator(_check_path)]
+
+
+class AdapterLoad(_Input):
+    """Load a PEFT adapter directory under `name` on the workers consuming `queue`."""
+
+    queue: Identifier
+    name: Identifier
+    path: AdapterPath = Field(description="the adapter directory on the worker's machine (not the sender's)")
+
+
+class AdapterUnload(_Input):
+    """Unload adapter `name` on the workers consuming `queue`: new requests for it are refused, queued
+    and running ones finish."""
+
+    queue: Identifier
+    name: Identifier
+
+
+class ControlMessage(_Output):
+    """A message on the control channel: exactly one command, cancel (a request id), load_adapter or
+    unload_adapter (issue 28)."""
+
+    cancel: Identifier | None = None
+    load_adapter: AdapterLoad | None = None
+    unload_adapter: AdapterUnload | None = None
+
+    @model_validator(mode="after")
+    def _one_command(self) -> ControlMessage:
+        given = [name for name in ("cancel", "load_adapter", "unload_adapter") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a control message carries exactly one of cancel, load_adapter, unload_adapter; "
+                             f"got {len(given)}")
+        return self
 
 
 # --- Redis names -----------------------------------------------------------------
@@ -1374,4 +1414,23 @@ CONTROL_CHANNEL = control_channel
 
 def cancel_message(identifier: str) -> str:
     """The control-channel JSON that cancels a request: {"cancel": "<id>"}."""
-    return ControlMessage(cancel=_name_part(identifier, "identifier")).model_dump_json()
+    return ControlMessage(cancel=_name_part(identifier, "identifier")).model_dump_json(exclude_none=True)
+
+
+def load_adapter_message(queue: str, name: str, path: str) -> str:
+    """The control-channel JSON that loads an adapter on a queue's workers (ProtocolError if invalid):
+    {"load_adapter": {"queue": ..., "name": ..., "path": ...}}."""
+    return _control_json({"load_adapter": {"queue": queue, "name": name, "path": path}})
+
+
+def unload_adapter_message(queue: str, name: str) -> str:
+    """The control-channel JSON that unloads an adapter on a queue's workers:
+    {"unload_adapter": {"queue": ..., "name": ...}}."""
+    return _control_json({"unload_adapter": {"queue": queue, "name": name}})
+
+
+def _control_json(command: dict[str, Any]) -> str:
+    try:
+        return ControlMessage.model_validate(command).model_dump_json(exclude_none=True)
+    except ValidationError as error:
+        raise ProtocolError([_describe(each) for each in error.errors(include_url=False)]) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ import torch
 from celery import Celery
 
 from genq_dev.tiny_model import PRESETS, SPECIAL_TOKENS, make_tiny_model, write_tokenizer_files
+from genq_dev.tiny_vlm import make_tiny_vlm
 from tests.service import plain_client
 from worker.processes import RedisServer
 
@@ -108,3 +110,41 @@ def client(redis_url: str) -> Celery:
 @pytest.fixture(scope="session")
 def redis_client(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
+    """kind ("llava" or "gemma3") -> a tiny random vision-language directory and transformers' model
+    loaded from it (AutoModelForImageTextToText), made once per session."""
+    made: dict[str, tuple[Path, Any]] = {}
+
+    def make(kind: str) -> tuple[Path, Any]:
+        if kind not in made:
+            import transformers
+
+            path = make_tiny_vlm(tmp_path_factory.mktemp(kind), kind)
+            hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+            made[kind] = path, hf
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture
+def llava_dir(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Path:
+    return tiny_vlm("llava")[0]
+
+
+@pytest.fixture
+def hf_llava(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Any:
+    return tiny_vlm("llava")[1]
+
+
+@pytest.fixture
+def gemma3_dir(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Path:
+    return tiny_vlm("gemma3")[0]
+
+
+@pytest.fixture
+def hf_gemma3(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Any:
+    return tiny_vlm("gemma3")[1]

@@ -458,7 +458,7 @@ def check_lora_engine() -> None:
     from engine import Generator, Job
     from genq_dev.tiny_model import make_tiny_model
     from kernels import triton_lora
-    from tests.test_lora import save_peft_adapter
+    from tests.lora_adapters import save_peft_adapter
 
     calls = []
     original = triton_lora.lora_add

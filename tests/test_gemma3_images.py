@@ -20,20 +20,9 @@ from PIL import Image
 from engine import Generator, Job, JobRejected
 from engine.embeddings import Embedding
 from engine.vision.images import ImagePrompt
-from genq_dev.tiny_vlm import make_tiny_vlm
 from kernels.reference import paged_attention
 from tests.engine_runs import run
-from tests.test_image_jobs import NEW_TOKENS, PAGE_SIZE, generator_for, make_images, vision_of
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_vlm(tmp_path_factory.mktemp("gemma3"), "gemma3")
-
-
-@pytest.fixture(scope="module")
-def hf_gemma3(gemma3_dir: Path) -> Any:
-    return transformers.Gemma3ForConditionalGeneration.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+from tests.test_image_jobs import NEW_TOKENS, PAGE_SIZE, generator_for, make_images, preempted_and_not, vision_of
 
 
 def image_prompt(generator: Generator) -> ImagePrompt:
@@ -143,22 +132,12 @@ def test_chunks_and_prefix_hits_never_split_an_image(gemma3_dir: Path):
 
 
 def test_preemption_keeps_gemma3_images(gemma3_dir: Path):
-    def outputs(cache_tokens: int) -> tuple[dict[str, list[int]], int]:
-        generator = generator_for(gemma3_dir, cache_tokens=cache_tokens, max_chunk_size=64)
-        pictures = make_images(6, seed=5)
+    def build(generator: Generator, pictures: list[Image.Image]) -> list[Job]:
         boi = boi_text(generator)
-        prompts = {f"job{i}": (prompt_ids(generator, f"x{i} y {boi} z{i}"), [pictures[i]]) for i in range(6)}
-        jobs = gemma3_jobs(generator, prompts)
-        for job in jobs:
-            job.max_new_tokens = 24
-        results = run(generator, jobs)
-        assert generator.pool.num_free == generator.pool.num_pages
-        return {name: result.completion_ids for name, result in results.items()}, generator.stats.preemptions
+        return gemma3_jobs(generator, {f"job{i}": (prompt_ids(generator, f"x{i} y {boi} z{i}"), [pictures[i]])
+                                       for i in range(6)})
 
-    small, preemptions = outputs(16 * PAGE_SIZE)
-    large, no_preemptions = outputs(2048)
-    assert preemptions > 0 and no_preemptions == 0
-    assert small == large
+    preempted_and_not(gemma3_dir, 16 * PAGE_SIZE, build)
 
 
 def test_an_image_longer_than_a_chunk_is_refused(gemma3_dir: Path):

@@ -9,25 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
-import torch
-import transformers
 
 from engine import FinishReason, Job
 from engine.vision.images import ImageEncoder, PendingImage, expand_image_placeholders
-from genq_dev.tiny_vlm import make_tiny_vlm
 from tests.engine_runs import run
 from tests.test_image_jobs import NEW_TOKENS, generator_for, hf_generate, make_images, vision_of
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_vlm(tmp_path_factory.mktemp("llava"), "llava")
-
-
-@pytest.fixture(scope="module")
-def hf_llava(llava_dir: Path) -> Any:
-    return transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
 
 
 def count_tower_forwards(vision: ImageEncoder) -> list[int]:

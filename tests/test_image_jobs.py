@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import transformers
 from PIL import Image
 
 from engine import Generator, Job
@@ -25,16 +24,6 @@ from tests.engine_runs import run
 
 PAGE_SIZE = 8
 NEW_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_vlm(tmp_path_factory.mktemp("llava"), "llava")
-
-
-@pytest.fixture(scope="module")
-def hf_llava(llava_dir: Path) -> Any:
-    return transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
 
 
 def make_images(count: int, seed: int = 0) -> list[Image.Image]:
@@ -136,25 +125,33 @@ def test_the_same_image_is_encoded_once_and_shares_pages(llava_dir: Path):
     assert vision.images_encoded == 3 and vision.tower_batches == 2
 
 
-def test_preemption_keeps_the_images(llava_dir: Path):
-    """A cache too small for every image job at once preempts some; they recompute their prompt, images
-    included, and end as they do on a large cache."""
+def preempted_and_not(model_dir: Path, small_cache: int,
+                      build: Callable[[Generator, list[Image.Image]], list[Job]]) -> None:
+    """Six image jobs (24 new tokens each) on a cache of small_cache tokens, which preempts some, end
+    as they do on a large cache, which preempts none; every page is free afterwards."""
     def outputs(cache_tokens: int) -> tuple[dict[str, list[int]], int]:
-        generator = generator_for(llava_dir, cache_tokens=cache_tokens, max_chunk_size=64)
-        image = vision_of(generator).image_token_id
-        pictures = make_images(6, seed=5)
-        prompts = {f"job{i}": ([5 + i, 6, image, 7, 8 + i], [pictures[i]]) for i in range(6)}
-        jobs = image_jobs(generator, prompts)
+        generator = generator_for(model_dir, cache_tokens=cache_tokens, max_chunk_size=64)
+        jobs = build(generator, make_images(6, seed=5))
         for job in jobs:
             job.max_new_tokens = 24
         results = run(generator, jobs)
         assert generator.pool.num_free == generator.pool.num_pages
         return {name: result.completion_ids for name, result in results.items()}, generator.stats.preemptions
 
-    small, preemptions = outputs(12 * PAGE_SIZE)
+    small, preemptions = outputs(small_cache)
     large, no_preemptions = outputs(2048)
     assert preemptions > 0 and no_preemptions == 0
     assert small == large
+
+
+def test_preemption_keeps_the_images(llava_dir: Path):
+    """A cache too small for every image job at once preempts some; they recompute their prompt, images
+    included, and end as they do on a large cache."""
+    def build(generator: Generator, pictures: list[Image.Image]) -> list[Job]:
+        image = vision_of(generator).image_token_id
+        return image_jobs(generator, {f"job{i}": ([5 + i, 6, image, 7, 8 + i], [pictures[i]]) for i in range(6)})
+
+    preempted_and_not(llava_dir, 12 * PAGE_SIZE, build)
 
 
 def test_placeholder_count_must_equal_the_image_count(llava_dir: Path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -26,6 +26,7 @@ from engine.lora import LoraBatch, load_adapter
 from engine.quantized_linear import quantize_weight
 from engine.weights import load_model
 from tests.engine_runs import run
+from tests.lora_adapters import save_peft_adapter, truncate_adapter
 from tests.test_engine_vs_transformers import VARIANTS, hf_greedy, model_dir, run_forward
 from tests.test_speculative import repetitive_prompts
 
@@ -39,15 +40,6 @@ ADAPTERS: dict[str, dict[str, object]] = {
     "rs": {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj", "v_proj", "down_proj"],
            "rank_pattern": {"down_proj": 6}, "alpha_pattern": {"v_proj": 3}},
 }
-
-
-def save_peft_adapter(base_dir: Path, out: Path, seed: int, **options: object) -> Path:
-    """A PEFT adapter with random A and B (init_lora_weights=False), saved with save_pretrained."""
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **options))
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -240,12 +232,6 @@ def _reshape_one(tensors: dict[str, torch.Tensor]) -> None:
     tensors[key] = torch.randn(tensors[key].shape[0], tensors[key].shape[1] + 1)
 
 
-def _truncate(path: Path) -> Path:
-    weights = path / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    return path
-
-
 def _without_weights(path: Path) -> Path:
     (path / "adapter_model.safetensors").unlink()
     return path
@@ -267,7 +253,8 @@ BAD_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
                              r"decoder layer's projection"),
     "rank-too-large": (lambda base, out: save_peft_adapter(base, out, 0, r=72, target_modules=["v_proj"]),
                        "rank 72 exceeds the maximum LoRA rank 64"),
-    "truncated-file": (lambda base, out: _truncate(save_peft_adapter(base, out, 0, r=4, target_modules=["q_proj"])),
+    "truncated-file": (lambda base, out: truncate_adapter(save_peft_adapter(base, out, 0, r=4,
+                                                                             target_modules=["q_proj"])),
                        "truncated or not a safetensors file"),
     "missing-file": (lambda base, out: _without_weights(save_peft_adapter(base, out, 0, r=4,
                                                                           target_modules=["q_proj"])),

@@ -2,12 +2,11 @@
 models sends each request to the pool whose card publishes its `model`, lists every model live
 from the cards, and answers an unknown one with OpenAI's 404 `model_not_found`; GenqClient picks
 the queue the same way. Adapters: the llama pool's worker serves two PEFT adapters
-(tests/adapter_worker.py), its card lists them, /v1/models shows them with their base model as
+(--lora), its card lists them, /v1/models shows them with their base model as
 parent, and an adapter's name runs that adapter (each answer equal to the engine's with it)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -16,19 +15,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import redis
 from celery import Celery
 
 from engine import Generator, Job
 from producer.client import GenerationError, GenqClient
-from producer.model_routes import ModelRoute, UnknownModel, model_routes, read_routes
-from producer.protocol import DEFAULT_KEY_PREFIX, GenerationRequest
+from producer.model_routes import ModelRoute, UnknownModel, model_routes
+from producer.protocol import GenerationRequest
 from tests.engine_runs import run
-from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer
-from tests.test_lora import ADAPTERS, save_peft_adapter
+from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, running_worker
+from tests.lora_adapters import save_peft_adapter
+from tests.test_lora import ADAPTERS
 from worker.jobs import build_job
 from worker.model_card import describe
-from worker.processes import WorkerProcess, wait_until
 
 QUEUES = ("routing-llama", "routing-qwen")
 PROMPT = "Routing by model"
@@ -49,20 +47,14 @@ def with_adapters(tiny_model_factory: Callable[..., Path],
 def pools(with_adapters: tuple[Path, dict[str, Path]], tiny_model_factory: Callable[..., Path], redis_url: str,
           celery_client: Celery, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     """queue -> model dir: a real worker of a different tiny model on each queue, the llama's
-    serving the adapters too (tests/adapter_worker.py), its card listing them."""
+    serving the adapters too (--lora)."""
     base, adapters = with_adapters
     models = {QUEUES[0]: base, QUEUES[1]: tiny_model_factory("qwen2", max_position_embeddings=1024, seed=1)}
+    loras = {QUEUES[0]: [f"{name}={path}" for name, path in adapters.items()], QUEUES[1]: []}
     with ExitStack() as workers:
         for queue, path in models.items():
-            process = WorkerProcess(path, redis_url, queue, queue, tmp_path_factory.mktemp(queue) / "worker.log",
-                                    {"cache_tokens": 4096, "page_size": 16, "concurrency": 4})
-            if path == base:
-                registered = ",".join(f"{name}={adapter}" for name, adapter in adapters.items())
-                process.args = [sys.executable, "-m", "tests.adapter_worker", registered, *process.args[3:]]
-            workers.enter_context(process).wait_ready(celery_client)
-        cards = redis.Redis.from_url(redis_url, decode_responses=True)
-        wait_until(lambda: set(adapters) <= read_routes(cards, DEFAULT_KEY_PREFIX, QUEUES).keys(), 60,
-                   "the adapter worker's card to list its adapters")
+            workers.enter_context(running_worker(path, redis_url, celery_client, tmp_path_factory.mktemp(queue),
+                                                 queue, queue, cache_tokens=4096, concurrency=4, lora=loras[queue]))
         yield models
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.protocol import stream_key
+from producer.protocol import control_channel, stream_key
 from worker.processes import ROOT, WorkerProcess, free_port, wait_until
 
 QUEUE = "genq-cli"
@@ -178,3 +178,29 @@ def test_the_client_and_cli_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None; import producer.client, producer.cli, worker.cli; "
             "worker.cli.build_parser().parse_args(['submit', 'x'])")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_adapters_load_and_unload_publish_the_control_messages(genq, redis_url: str):
+    admin = redis.Redis.from_url(redis_url)
+    pubsub = admin.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(control_channel())
+    try:
+        load = genq("adapters", "--queue", "genq-cli-lora", "load", "sql-bot", "/srv/adapters/sql bot")
+        unload = genq("adapters", "--queue", "genq-cli-lora", "unload", "sql-bot")
+        bad = genq("adapters", "unload", "bad name")
+        assert (load.returncode, unload.returncode) == (0, 0), load.stderr + unload.stderr
+        assert "load of adapter sql-bot from /srv/adapters/sql bot sent to the workers of queue genq-cli-lora" in \
+            load.stderr
+        assert bad.returncode == 2 and "unload_adapter.name: must be 1 to 128 characters" in bad.stderr, bad.stderr
+        published = [json.loads(wait_until(lambda: pubsub.get_message(timeout=1), 10, "a control message")["data"])
+                     for _ in range(2)]
+    finally:
+        pubsub.close()
+    assert published == [{"load_adapter": {"queue": "genq-cli-lora", "name": "sql-bot",
+                                           "path": "/srv/adapters/sql bot"}},
+                         {"unload_adapter": {"queue": "genq-cli-lora", "name": "sql-bot"}}]
+
+
+def test_submit_for_an_adapter_the_worker_does_not_serve_exits_1_naming_it(genq):
+    run = genq("submit", "Hello", "--adapter", "sql-bot", "--max-new-tokens", "4")
+    assert run.returncode == 1 and "adapter 'sql-bot' is not registered (registered: none)" in run.stderr, run.stderr

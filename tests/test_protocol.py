@@ -38,6 +38,14 @@ def problems(payload: Any) -> str:
     return str(info.value)
 
 
+def refusal(payload: Any, expected: list[str]) -> str:
+    """The message refusing payload, which must contain every expected fragment."""
+    message = problems(payload)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
 # (payload, substrings the message must contain: the field, and the limit where there is one)
 INVALID: dict[str, tuple[Any, list[str]]] = {
     "unknown field": ({"prompt": "x", "temprature": 0.5}, ["temprature: unknown field", "allowed: prompt"]),
@@ -126,10 +134,7 @@ INVALID: dict[str, tuple[Any, list[str]]] = {
 
 @pytest.mark.parametrize("case", sorted(INVALID))
 def test_invalid_request_is_rejected_with_a_message_naming_the_field_and_limit(case: str):
-    payload, expected = INVALID[case]
-    message = problems(payload)
-    for fragment in expected:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
+    message = refusal(*INVALID[case])
     assert all(re.match(r"^[\w.\[\]|()\- ]+: \S", line) for line in message.splitlines()), message
 
 
@@ -371,6 +376,37 @@ def test_cancel_message_is_the_documented_json():
     assert 'SET {prefix}:cancel:{id} "1" EX 3600' in doc
     assert "PUBLISH {prefix}:control '{\"cancel\": \"<id>\"}'" in doc
     assert p.CANCEL_KEY_VALUE == "1" and p.CANCEL_KEY_TTL_S == 3600
+
+
+def test_adapter_control_messages_are_the_documented_json_and_strict():
+    assert json.loads(p.load_adapter_message("genq", "sql-bot", "/srv/lora/sql")) == {
+        "load_adapter": {"queue": "genq", "name": "sql-bot", "path": "/srv/lora/sql"}}
+    assert json.loads(p.unload_adapter_message("genq", "sql-bot")) == {
+        "unload_adapter": {"queue": "genq", "name": "sql-bot"}}
+    doc = DOC.read_text()
+    assert """PUBLISH {prefix}:control '{"load_adapter": {"queue": "<queue>", "name": "<name>", "path": "<dir>"}}'""" \
+        in doc
+    assert """PUBLISH {prefix}:control '{"unload_adapter": {"queue": "<queue>", "name": "<name>"}}'""" in doc
+    with pytest.raises(ProtocolError, match="^load_adapter.name: must be 1 to 128"):
+        p.load_adapter_message("genq", "a b", "/x")
+    with pytest.raises(ProtocolError, match="^load_adapter.path: a path holds no NUL"):
+        p.load_adapter_message("genq", "a", "/x\x00")
+    with pytest.raises(ProtocolError, match=f"^load_adapter.path: at most {p.MAX_ADAPTER_PATH_CHARS} characters"):
+        p.load_adapter_message("genq", "a", "/" * (p.MAX_ADAPTER_PATH_CHARS + 1))
+    with pytest.raises(ProtocolError, match="^unload_adapter.queue: must be 1 to 128"):
+        p.unload_adapter_message("a queue", "a")
+    for two in ({"cancel": "q1", "unload_adapter": {"queue": "q", "name": "a"}}, {}):
+        with pytest.raises(ValueError, match="exactly one of cancel, load_adapter, unload_adapter"):
+            p.ControlMessage.model_validate(two)
+    with pytest.raises(ValueError, match="extra"):
+        p.ControlMessage.model_validate({"unload_adapter": {"queue": "q", "name": "a", "path": "/x"}})
+
+
+def test_a_request_names_its_adapter_by_the_identifier_rule():
+    assert GenerationRequest.parse_payload({"prompt": "x", "adapter": "sql-bot.v2"}).adapter == "sql-bot.v2"
+    assert GenerationRequest.parse_payload({"prompt": "x"}).adapter is None
+    assert "adapter: at most 128 characters" in problems({"prompt": "x", "adapter": "a" * 129})
+    assert "adapter: must be 1 to 128 characters" in problems({"prompt": "x", "adapter": "sql bot"})
 
 
 @pytest.mark.parametrize("bad", ["", "a b", "a/b", "-a", "a" * 129, "ü", "a\n", None, 5])
@@ -676,10 +712,7 @@ IMAGE_REFUSALS: dict[str, tuple[Any, list[str]]] = {
 
 @pytest.mark.parametrize("case", sorted(IMAGE_REFUSALS))
 def test_image_refusals_name_the_field_path_and_the_limit(case: str):
-    payload, expected = IMAGE_REFUSALS[case]
-    message = problems(payload)
-    for fragment in expected:
-        assert fragment in message, f"{fragment!r} not in {message!r}"
+    refusal(*IMAGE_REFUSALS[case])
 
 
 def test_images_travel_in_prompt_order_with_their_paths():

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import get_args
 
 import pytest
 
 from engine.engine_config import CacheConfig, CacheDtype, EngineConfig, Quantization, SchedulerConfig, SpeculativeConfig
-from worker.cli import build_parser
+from worker.cli import _apply_settings, build_parser
 from worker.settings import Settings
 from worker.settings_cli import CLIENT_ONLY, env_name
 
@@ -67,3 +68,25 @@ def test_the_options_keep_their_names_and_meanings():
 def test_the_options_refuse_what_the_settings_refuse(argv: list[str]):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", *argv])
+
+
+def test_lora_is_a_repeatable_option_read_as_name_and_path(monkeypatch: pytest.MonkeyPatch):
+    args = build_parser().parse_args(["worker", "--lora", "sql-bot=/a/b", "--lora", "chat=/c=d", "--max-loras", "2"])
+    assert (args.lora, args.max_loras) == (["sql-bot=/a/b", "chat=/c=d"], 2)
+    for name in ("GENQ_LORA", "GENQ_MAX_LORAS"):  # restored after the test (_apply_settings exports them)
+        monkeypatch.setenv(name, "")
+    _apply_settings(args, ["lora", "max_loras"])
+    settings = Settings()
+    assert (settings.lora_adapters, settings.max_loras) == ({"sql-bot": "/a/b", "chat": "/c=d"}, 2)
+    assert Settings(lora=[]).lora_adapters == {} and Settings.model_fields["max_loras"].default == 8
+
+
+@pytest.mark.parametrize(("lora", "problem"), [
+    (["a=/x", "a=/y"], "adapter name(s) a given twice"),
+    (["a b=/x"], "adapter name 'a b' must match"),
+    (["a"], "'a' is not NAME=PATH"),
+    (["a="], "'a=' is not NAME=PATH"),
+])
+def test_bad_lora_settings_are_refused_naming_the_entry(lora: list[str], problem: str):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        Settings(lora=lora)

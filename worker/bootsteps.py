@@ -14,7 +14,7 @@ from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from celery.worker.control import Panel, control_command, inspect_command, ok
 
-from engine.errors import ModelLoadError
+from engine.errors import AdapterLoadError, ModelLoadError
 from producer.protocol import TASK_NAME
 from worker import runtime as runtime_module
 from worker.delivery import identifier_of
@@ -23,8 +23,8 @@ from worker.metrics import readable_stats
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
-#: The worker's exit status when its model cannot be loaded (non-zero, so `restart: on-failure`
-#: retries, and distinct from Celery's 1 for other failures).
+#: The worker's exit status when its model (or one of its --lora adapters) cannot be loaded
+#: (non-zero, so `restart: on-failure` retries, and distinct from Celery's 1 for other failures).
 EXIT_MODEL_UNUSABLE = 3
 
 
@@ -45,6 +45,10 @@ class EngineStep(bootsteps.StartStopStep):
             # The operator's to fix (a bad path or file): one line that says what, not Celery's
             # "Unrecoverable error" traceback. SystemExit makes Celery stop with this status.
             log.critical("cannot load the model: %s", error)
+            raise SystemExit(EXIT_MODEL_UNUSABLE) from None
+        except AdapterLoadError as error:
+            # A --lora adapter the engine refuses: the same one line, naming the adapter and the problem.
+            log.critical("cannot load %s", error)
             raise SystemExit(EXIT_MODEL_UNUSABLE) from None
         runtime_module.install(self.runtime)
 

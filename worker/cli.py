@@ -4,6 +4,7 @@ commands that only talk to Redis never load torch."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -90,7 +91,7 @@ def _apply_settings(args: argparse.Namespace, names: Sequence[str]) -> None:
     for name in names:
         value = getattr(args, name, None)
         if value is not None:
-            os.environ[f"GENQ_{name.upper()}"] = str(value)
+            os.environ[f"GENQ_{name.upper()}"] = json.dumps(value) if isinstance(value, list) else str(value)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -267,7 +268,7 @@ def _producer_command(args: argparse.Namespace) -> int:
 
 
 def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
-    """submit, stream, cancel, result: what a backend script needs, through the client library."""
+    """submit, stream, cancel, result, adapters: what a backend script needs, through the client library."""
 
     def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         parser = commands.add_parser(name, help=summary, description=description, epilog=PRODUCER_EXIT_CODES,
@@ -321,6 +322,8 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
                         help="deadline S seconds from now: the generation stops there (exit 4); the request is "
                              "cancelled if no result comes")
     submit.add_argument("--queue", help="the queue of the model to use (GENQ_QUEUE, default genq)")
+    submit.add_argument("--adapter", metavar="NAME", help="generate with this LoRA adapter loaded on the workers "
+                                                          "(the model card's adapters); default: the base model")
     constraint = submit.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", metavar="FILE",
                             help="the output is JSON valid under this JSON Schema (a file; - = stdin)")
@@ -342,6 +345,18 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
                  "Cancel a request: a queued one never runs, a running one stops within one engine step. "
                  "Cancelling a finished or unknown request does nothing.")
     cancel.add_argument("id", help="the request identifier")
+
+    adapters = add("adapters", "load or unload a LoRA adapter on the workers of a queue",
+                   "Send a control message to the workers of a queue: load a PEFT adapter directory under a name "
+                   "(PATH is a path on the workers' machines), or unload one (requests naming it are refused from "
+                   "then on; those already running finish). Fire and forget: the model card lists the adapters.")
+    adapters.add_argument("--queue", help="the queue whose workers load or unload it (GENQ_QUEUE, default genq)")
+    action = adapters.add_subparsers(dest="action", required=True)
+    load = action.add_parser("load", help="load PATH under NAME")
+    load.add_argument("name", help="the adapter's name, which requests give in `adapter`")
+    load.add_argument("path", help="the PEFT adapter directory, on the workers' machines")
+    unload = action.add_parser("unload", help="unload NAME")
+    unload.add_argument("name", help="the adapter's name")
 
     result = add("result", "print a request's result", "Print the result of a request from the result backend.")
     result.add_argument("id", help="the request identifier")

@@ -1,6 +1,7 @@
 """The control channel listener: cancellations from producers reach the engine
-loop through it, and between messages it keeps the running jobs' leases and
-the model card fresh."""
+loop through it, and so do LoRA adapter loads and unloads addressed to this
+worker's queue; between messages it keeps the running jobs' leases and the
+model card fresh."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import redis
 
 from producer.protocol import ControlMessage, cancel_key, control_channel
-from worker.loop import EngineLoop
+from worker.loop import AdapterChange, EngineLoop
 from worker.model_card import CardPublisher
 from worker.redelivery import LEASE_S, Redeliveries
 
@@ -23,10 +24,11 @@ class ControlListener:
     """Subscribes to the control channel and forwards cancellations to the loop;
     between messages it also refreshes the running jobs' leases and the model card."""
 
-    def __init__(self, client: redis.Redis, key_prefix: str, loop: EngineLoop, redeliveries: Redeliveries,
-                 card: CardPublisher) -> None:
+    def __init__(self, client: redis.Redis, key_prefix: str, queue: str, loop: EngineLoop,
+                 redeliveries: Redeliveries, card: CardPublisher) -> None:
         self.client = client
         self.key_prefix = key_prefix
+        self.queue = queue
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(control_channel(key_prefix))
         self.loop = loop
@@ -64,7 +66,16 @@ class ControlListener:
             except ValueError:
                 log.warning("control channel: ignoring malformed message %r", message["data"][:200])
                 continue
+            self._apply(command)
+
+    def _apply(self, command: ControlMessage) -> None:
+        """Forward a cancel to the loop; an adapter load or unload too when it names this worker's queue."""
+        if command.cancel is not None:
             self.loop.cancel(command.cancel)
+        elif command.load_adapter is not None and command.load_adapter.queue == self.queue:
+            self.loop.change_adapter(AdapterChange(command.load_adapter.name, command.load_adapter.path))
+        elif command.unload_adapter is not None and command.unload_adapter.queue == self.queue:
+            self.loop.change_adapter(AdapterChange(command.unload_adapter.name))
 
     def _sweep_cancel_keys(self) -> None:
         """Control messages are at-most-once (one published while the

@@ -11,6 +11,11 @@ heaviest thing the worker makes, and neither the loop nor the other requests'
 streams wait for it. Idle, the loop sleeps on a condition variable. On
 shutdown it drains: no new jobs, and those still running when the grace period
 ends are requeued.
+
+LoRA adapters are loaded and unloaded through the same inbox (AdapterChange, from the control
+listener), between steps, so only the loop thread touches the generator's adapter registry. A
+request whose adapter finds every resident slot held by running requests (max_loras) waits in
+the loop, as vLLM's scheduler keeps it waiting, and is enqueued once one of them has ended.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from engine import EngineOutput, FinishReason, Generator, Job, JobRejected, QueueFull
+from engine import AdaptersBusy, EngineOutput, FinishReason, Generator, Job, JobRejected, QueueFull
+from engine.errors import AdapterLoadError
 from producer.protocol import FinishReason as WireFinishReason
 from producer.protocol import GenerationRequest, StreamEvent, Timings, Usage
 from worker.events import Outcome, RequestEvents, StoredResult, sample_of
@@ -72,6 +78,14 @@ class Submission:
 
 
 @dataclass(frozen=True)
+class AdapterChange:
+    """Load the PEFT adapter directory `path` under `name`, or unload `name` (path None)."""
+
+    name: str
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class Concluded:
     """A request that ended in a step; the finishing thread builds its final event and result
     (worker/events.py: conclude, finish)."""
@@ -89,21 +103,27 @@ class LoopCounters:
     cancelled: int = 0
     expired: int = 0
     requeued: int = 0
+    adapter_slot_waits: int = 0  # times a request was put back to wait for a resident LoRA adapter slot
     peak_active_jobs: int = 0
     busy_s: float = 0.0
 
 
 class EngineLoop:
     def __init__(self, generator: Generator, publisher: Publisher,
-                 on_finished: Callable[[Timings, Usage], None] | None = None) -> None:
+                 on_finished: Callable[[Timings, Usage], None] | None = None,
+                 on_adapters: Callable[[list[str]], None] | None = None) -> None:
+        """on_adapters(names): called on the loop thread after a load or unload changed the adapters."""
         self.generator = generator
         self.on_finished = on_finished
+        self.on_adapters = on_adapters
         self.publishing = PublishingThread(publisher, "genq-publisher")
         self.finishing = PublishingThread(publisher, "genq-finisher")
         self.counters = LoopCounters()
         self._early_cancels: dict[str, float] = {}
         self._cond = threading.Condition()
         self._inbox: list[Submission] = []
+        self._adapter_changes: list[AdapterChange] = []
+        self._waiting_for_adapter: list[Submission] = []
         self._cancels: set[str] = set()
         self._active: dict[str, Submission] = {}
         self._accepting = True
@@ -125,6 +145,12 @@ class EngineLoop:
             submission.attach(self._token_text)
             self._inbox.append(submission)
             self.counters.submitted += 1
+            self._cond.notify()
+
+    def change_adapter(self, change: AdapterChange) -> None:
+        """Load or unload an adapter before the next step (applied in the order asked)."""
+        with self._cond:
+            self._adapter_changes.append(change)
             self._cond.notify()
 
     def cancel(self, identifier: str) -> None:
@@ -170,7 +196,7 @@ class EngineLoop:
         engine = self.generator.stats
         return {
             "active_jobs": engine.active_jobs,
-            "pending_jobs": engine.pending_jobs + len(self._inbox),
+            "pending_jobs": engine.pending_jobs + len(self._inbox) + len(self._waiting_for_adapter),
             "pages_total": engine.pages_total,
             "pages_used": engine.pages_used,
             "pages_free": engine.pages_free,
@@ -186,6 +212,9 @@ class EngineLoop:
             "accepted_draft_tokens": engine.accepted_draft_tokens,
             "draft_acceptance_rate": round(engine.accepted_draft_tokens / engine.drafted_tokens, 4)
             if engine.drafted_tokens else 0.0,
+            "lora_adapters": len(self.generator.adapters),
+            "lora_resident": len(self.generator.adapters.resident()),
+            "lora_evictions": self.generator.adapters.evictions,
             **asdict(self.counters),
         }
 
@@ -203,14 +232,19 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._cancels or self._active or self._exit_when_idle):
+                while not (self._inbox or self._cancels or self._active or self._adapter_changes
+                           or self._waiting_for_adapter or self._exit_when_idle):
                     self._cond.wait()
-                if self._exit_when_idle and not self._active and not self._inbox:
+                if self._exit_when_idle and not self._active and not self._inbox and not self._waiting_for_adapter:
                     return
-                inbox, self._inbox = self._inbox, []
+                changes, self._adapter_changes = self._adapter_changes, []
+                inbox, self._inbox = self._waiting_for_adapter + self._inbox, []
+                self._waiting_for_adapter = []
                 cancels, self._cancels = self._cancels, set()
                 drain_expired = self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
             started = time.monotonic()
+            for change in changes:
+                self._change_adapter(change)
             try:
                 self._step(inbox, cancels, requeue_all=drain_expired)
             except Exception as error:  # noqa: BLE001 - one bad step must not take the worker down
@@ -225,6 +259,12 @@ class EngineLoop:
         self._remember_early_cancels(cancels)
         for submission in inbox:
             self._admit(submission, events, finished)
+        if requeue_all:
+            for submission in self._waiting_for_adapter:
+                submission.requeue = True
+                self.counters.requeued += 1
+                finished.append(submission)
+            self._waiting_for_adapter = []
         now = time.time()
         for identifier, submission in self._active.items():
             if requeue_all:
@@ -303,10 +343,34 @@ class EngineLoop:
         else:
             try:
                 self.generator.enqueue(submission.jobs)
+            except AdaptersBusy:
+                self.counters.adapter_slot_waits += 1
+                self._waiting_for_adapter.append(submission)
+                return
             except (JobRejected, QueueFull) as error:
                 self._reject(submission, str(error), events, finished)
                 return
             self._active[submission.identifier] = submission
+
+    def _change_adapter(self, change: AdapterChange) -> None:
+        """Apply a load or unload between steps; a refused one is logged naming the adapter and why
+        (control messages have no reply: the model card shows the adapters loaded)."""
+        adapters = self.generator.adapters
+        try:
+            if change.path is None:
+                adapters.unregister(change.name)
+            else:
+                adapters.register(change.name, change.path)
+        except (AdapterLoadError, KeyError) as error:
+            log.error("LoRA adapter %r not %s: %s", change.name, "unloaded" if change.path is None else "loaded",
+                      error.args[0] if error.args else error)
+            return
+        if change.path is None:
+            log.info("unloaded LoRA adapter %r: requests naming it are refused, those admitted finish", change.name)
+        else:
+            log.info("loaded LoRA adapter %r from %s", change.name, change.path)
+        if self.on_adapters is not None:
+            self.on_adapters(adapters.names())
 
     def _reject(self, submission: Submission, message: str, events: list[StreamEvent], finished: list[Submission]
                 ) -> None:

@@ -75,6 +75,12 @@ class CardPublisher:
         if card.chat_template_digest is not None and chat_template_json is not None:
             self.blobs[chat_template_key(card.chat_template_digest, prefix)] = chat_template_json
 
+    def set_adapters(self, names: list[str]) -> None:
+        """Publish the card again at once with these LoRA adapters (sorted), so that a load or
+        unload shows up without waiting for the next heartbeat."""
+        self.card = self.card.model_copy(update={"adapters": sorted(names)})
+        self.heartbeat()
+
     def heartbeat(self) -> None:
         """Write this worker's entry with the current time; the tokenizer and chat template JSON
         only when Redis does not hold them (first start, or a Redis that lost them)."""

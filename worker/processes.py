@@ -201,7 +201,7 @@ class WorkerProcess(ChildProcess):
     """`genq worker ...`: a worker exactly as deployed. GENQ_* variables are
     removed from its environment (unless `inherit_settings`) so only the
     options given here (and the defaults) apply; `options` are worker
-    command-line options."""
+    command-line options (a list: the option repeated, as --lora A=DIR --lora B=DIR)."""
 
     def __init__(self, model: Path, redis_url: str, queue: str, name: str, log_path: Path,
                  options: dict[str, Any] | None = None, env: dict[str, str] | None = None,
@@ -214,7 +214,10 @@ class WorkerProcess(ChildProcess):
                             "--hostname", f"{name}@genq")
         for option, value in self.options.items():
             flag = f"--{option.replace('_', '-')}"
-            args += [flag] if value is True else [flag, str(value)]  # True: a flag without a value
+            if isinstance(value, list):  # a repeatable option: given once per item
+                args += [part for item in value for part in (flag, str(item))]
+            else:
+                args += [flag] if value is True else [flag, str(value)]  # True: a flag without a value
         inherited = {k: v for k, v in os.environ.items() if inherit_settings or not k.startswith("GENQ_")}
         super().__init__(name, args, log_path, {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})})
 

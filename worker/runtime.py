@@ -17,6 +17,7 @@ from celery import Task
 from celery.signals import task_success
 
 from engine import Generator
+from engine.errors import AdapterLoadError
 from engine.progress import LoadProgress
 from producer.protocol import TASK_NAME
 from worker.control import ControlListener
@@ -56,6 +57,7 @@ class Runtime:
             progress=LoadProgress(logger=log),
             draft_model_path=settings.draft_model,
         )
+        load_adapters(generator, settings)
         client = settings.redis()
         warn_without_persistence(client)
         publisher = Publisher(client, settings.key_prefix, settings.stream_maxlen, settings.stream_ttl_s,
@@ -75,7 +77,8 @@ class Runtime:
         redeliveries = Redeliveries(client, settings.key_prefix)
         card = CardPublisher(client, settings.key_prefix, settings.queue, node, *describe(generator, settings.model))
         card.heartbeat()
-        control = ControlListener(client, settings.key_prefix, loop, redeliveries, card)
+        loop.on_adapters = card.set_adapters  # before the control listener can change any
+        control = ControlListener(client, settings.key_prefix, settings.queue, loop, redeliveries, card)
         control.start()
         log.info("engine ready in %.1f s: %d cache pages of %d tokens", time.monotonic() - started,
                  generator.pool.num_pages, generator.page_size)
@@ -86,6 +89,18 @@ class Runtime:
         self.card.withdraw()
         self.loop.stop(self.settings.shutdown_grace_s)
         self.control.stop()
+
+
+def load_adapters(generator: Generator, settings: Settings) -> None:
+    """Register the --lora adapters, at most max_loras of them resident on the device; the first one
+    refused raises AdapterLoadError naming it (the worker stops: worker/bootsteps.py)."""
+    generator.adapters.max_loras = settings.max_loras
+    for name, path in settings.lora_adapters.items():
+        try:
+            generator.adapters.register(name, path)
+        except AdapterLoadError as error:
+            raise AdapterLoadError(f"LoRA adapter {name!r}: {error}") from None
+        log.info("loaded LoRA adapter %r from %s", name, path)
 
 
 def forget_final_record(publisher: Publisher, sender: Task, **_: Any) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE
 from producer.routing import route_queue
 from producer.settings import ClientSettings
 
@@ -79,10 +80,27 @@ class Settings(ClientSettings):
     shutdown_grace_s: float = Field(default=30.0, ge=0,
                                     description="seconds a warm shutdown lets in-flight jobs finish "
                                                 "before requeueing them")
+    lora: list[str] = Field(
+        default_factory=list,
+        description="a LoRA adapter loaded at start, as NAME=PATH (a PEFT directory on this machine); repeat the "
+                    "option for more (the variable: a JSON list); requests name it in `adapter`")
+    max_loras: int = Field(default=8, ge=1, le=1024,
+                           description="LoRA adapters resident on the device at once; the least recently used one "
+                                       "no running request holds moves to host memory for another (vLLM's "
+                                       "--max-loras)")
     prefix_route: str | None = Field(
         default=None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
         description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py): requests "
                     "starting alike reach the same worker, so its prefix cache hits")
+
+    @field_validator("lora")
+    @classmethod
+    def _adapters_named(cls, entries: list[str]) -> list[str]:
+        names = [_adapter_entry(entry)[0] for entry in entries]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"GENQ_LORA: adapter name(s) {', '.join(repeated)} given twice")
+        return entries
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -93,6 +111,11 @@ class Settings(ClientSettings):
                 raise ValueError(f"GENQ_PREFIX_ROUTE: route {route} needs GENQ_PREFIX_ROUTES above {route} "
                                  f"(it is {self.prefix_routes})")
         return self
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters to load at start: name -> directory."""
+        return dict(_adapter_entry(entry) for entry in self.lora)
 
     @property
     def prefix_routes_served(self) -> list[int]:
@@ -116,3 +139,13 @@ class Settings(ClientSettings):
             if option in engine_options and value is not None:
                 options[option] = value
         return EngineConfig().with_options(**options)
+
+
+def _adapter_entry(entry: str) -> tuple[str, str]:
+    """NAME=PATH -> (name, path); ValueError naming the entry's problem."""
+    name, equals, path = entry.partition("=")
+    if not equals or not path:
+        raise ValueError(f"GENQ_LORA: {entry!r} is not NAME=PATH")
+    if not IDENTIFIER_RE.fullmatch(name):
+        raise ValueError(f"GENQ_LORA: adapter name {name!r} must match {IDENTIFIER_PATTERN}")
+    return name, path

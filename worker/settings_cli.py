@@ -2,7 +2,8 @@
 so a setting, its GENQ_* variable and its option can never drift apart.
 
 Each field becomes --kebab-name (dest: the field name; FLAG_NAMES keeps the
-older names of two), typed from its annotation: a Literal gives the choices, a
+older names of two), typed from its annotation: a Literal gives the choices, a list a
+repeatable option (--lora A=DIR --lora B=DIR), a
 bool a switch that sets the non-default value (--ngram-draft, or
 --no-prefix-caching for a setting that is on by default). The help is the
 field's description, its GENQ_* variable and its default. Torch-free: the
@@ -61,7 +62,10 @@ def _option(name: str, info: FieldInfo) -> tuple[str, dict[str, Any]]:
     if default is not None:
         help_text += f"; default {default}"
     options: dict[str, Any] = {"help": help_text + ")"}
-    if get_origin(kind) is Literal:
+    if get_origin(kind) is list:
+        options["action"] = "append"
+        options["help"] = options["help"].replace("; default []", "")
+    elif get_origin(kind) is Literal:
         options["choices"] = list(get_args(kind))
     elif kind in (int, float):
         options["type"] = kind

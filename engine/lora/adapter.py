@@ -29,6 +29,21 @@ class LoraAdapter:
     scalings: dict[str, float]
 
     @property
+    def device(self) -> torch.device:
+        """Where the adapter's tensors are now (host memory once offloaded)."""
+        return next(iter(self.weights.values()))[0].device
+
+    def load_to(self, device: torch.device) -> None:
+        """Move every tensor to `device` (a no-op move when they are there): the registry brings an
+        offloaded adapter back when a job names it. Only between steps, and never while a job holds it."""
+        for key, (a, b) in self.weights.items():
+            self.weights[key] = (a.to(device), b.to(device))
+
+    def offload(self) -> None:
+        """Move every tensor to host memory (the registry's least-recently-used eviction)."""
+        self.load_to(torch.device("cpu"))
+
+    @property
     def num_bytes(self) -> int:
         """Device memory the adapter's tensors take."""
         return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
