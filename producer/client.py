@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -43,6 +43,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from producer.control import request_adapter_load, request_adapter_unload, request_cancel, request_cancel_async
+from producer.model_routes import ModelRoute, pick, read_routes
 from producer.protocol import (
     STREAM_FIELD,
     TASK_NAME,
@@ -241,11 +242,12 @@ def _send(app: Celery, queue: str, prepared: _Prepared, producer: Any = None, wa
         watchdog.track(prepared.identifier, prepared.kwargs, queue)
 
 
-def _send_many(app: Celery, settings: ClientSettings, prepared: list[_Prepared], watchdog: Watchdog | None) -> None:
-    """All messages over one broker connection."""
+def _send_many(app: Celery, settings: ClientSettings, prepared: list[_Prepared], watchdog: Watchdog | None,
+               queue: str | None = None) -> None:
+    """All messages over one broker connection, to `queue` (the client's by default)."""
     with app.producer_or_acquire() as producer:
         for item in prepared:
-            _send(app, settings.queue_for(item.kwargs), item, producer, watchdog)
+            _send(app, settings.queue_for(item.kwargs, queue), item, producer, watchdog)
 
 
 class _Client:
@@ -647,26 +649,34 @@ class GenqClient(_Client):
         self.redis = self.settings.redis(**_redis_options())
         self._pubsub_redis = self.settings.redis(**pubsub_options(Retry(NoBackoff(), 0)))
 
-    def submit(self, request: RequestLike, *, identifier: str | None = None, **options: Any) -> GenerationHandle:
+    def submit(self, request: RequestLike, *, identifier: str | None = None, queue: str | None = None,
+               **options: Any) -> GenerationHandle:
         """Validate (ProtocolError if invalid), subscribe to the request's channel, send the task.
 
         The identifier is the request's, else `identifier`, else a new UUID; it is also the Celery
-        task id. `options` go to Celery's send_task (link, link_error, headers, ...)."""
+        task id. `queue` is the model's queue (route(model).queue; default the client's queue).
+        `options` go to Celery's send_task (link, link_error, headers, ...)."""
         prepared = _prepare(request, identifier, options)
         pubsub = self._subscribe(prepared.identifier)
         try:
-            _send(self.celery, self.settings.queue_for(prepared.kwargs), prepared, None, self.watchdog)
+            _send(self.celery, self.settings.queue_for(prepared.kwargs, queue), prepared, None, self.watchdog)
         except BaseException:
             pubsub.close()
             raise
         return GenerationHandle(self, prepared.identifier, pubsub, submitted=True)
 
-    def submit_many(self, requests: Iterable[RequestLike]) -> list[GenerationHandle]:
-        """Bulk submit over one broker connection; all are validated before any is sent. The handles
-        subscribe when iterated (the replay stream covers what came before)."""
+    def submit_many(self, requests: Iterable[RequestLike], *, queue: str | None = None) -> list[GenerationHandle]:
+        """Bulk submit over one broker connection, to `queue` as submit; all are validated before
+        any is sent. The handles subscribe when iterated (the replay stream covers what came before)."""
         prepared = _prepare_many(requests)
-        _send_many(self.celery, self.settings, prepared, self.watchdog)
+        _send_many(self.celery, self.settings, prepared, self.watchdog, queue)
         return [GenerationHandle(self, item.identifier, submitted=True) for item in prepared]
+
+    def route(self, model: str, queues: Sequence[str] | None = None) -> ModelRoute:
+        """Where `model` (a base model or an adapter, as the gateway's OpenAI `model`) is served,
+        read from the live cards of `queues` (default: the client's queue), earlier queues first:
+        submit(request with `adapter` = route.adapter, queue=route.queue). UnknownModel if none."""
+        return pick(model, read_routes(self.redis, self.key_prefix, queues or [self.queue]))
 
     def handle(self, identifier: str) -> GenerationHandle:
         """Attach to a request sent by anyone: its events from the start, its result, cancel."""
@@ -920,23 +930,24 @@ class AsyncGenqClient(_Client):
                 self.settings.redis_async(**pubsub_options(AsyncRetry(NoBackoff(), 0))))
         self._subscriber = subscriber
 
-    async def submit(self, request: RequestLike, *, identifier: str | None = None,
+    async def submit(self, request: RequestLike, *, identifier: str | None = None, queue: str | None = None,
                      **options: Any) -> AsyncGenerationHandle:
         """See GenqClient.submit."""
         prepared = _prepare(request, identifier, options)
         subscription = await self._subscribe(prepared.identifier)
         try:
-            await asyncio.to_thread(_send, self.celery, self.settings.queue_for(prepared.kwargs), prepared, None,
+            await asyncio.to_thread(_send, self.celery, self.settings.queue_for(prepared.kwargs, queue), prepared, None,
                                     self.watchdog)
         except BaseException:
             await subscription.aclose()
             raise
         return AsyncGenerationHandle(self, prepared.identifier, subscription, submitted=True)
 
-    async def submit_many(self, requests: Iterable[RequestLike]) -> list[AsyncGenerationHandle]:
+    async def submit_many(self, requests: Iterable[RequestLike], *,
+                          queue: str | None = None) -> list[AsyncGenerationHandle]:
         """See GenqClient.submit_many."""
         prepared = _prepare_many(requests)
-        await asyncio.to_thread(_send_many, self.celery, self.settings, prepared, self.watchdog)
+        await asyncio.to_thread(_send_many, self.celery, self.settings, prepared, self.watchdog, queue)
         return [AsyncGenerationHandle(self, item.identifier, submitted=True) for item in prepared]
 
     def handle(self, identifier: str) -> AsyncGenerationHandle:

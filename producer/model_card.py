@@ -39,7 +39,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from chat_template import ChatTemplate
-from producer.protocol import IDENTIFIER_RE, MAX_IMAGES
+from producer.protocol import IDENTIFIER_RE, MAX_IMAGES, Identifier
 from producer.reasoning import ReasoningFormat
 from producer.tool_calls import ToolFormat
 
@@ -48,6 +48,8 @@ CARD_TTL_S = 60
 """Entries older than this are ignored, and both keys expire this long after the last heartbeat.
 Generous against clock skew between worker and gateway hosts: a skew beyond it makes entries
 look stale, and the gateway then skips its checks (the worker still makes them)."""
+MAX_CARD_ADAPTERS = 1024
+"""Adapter names one card may list: a card with more is malformed (and ignored)."""
 
 
 class ImageSupport(BaseModel):
@@ -90,9 +92,9 @@ class WorkerCard(BaseModel):
         description="SHA-256 of the chat template JSON; null without a chat template or from older workers")
     images: ImageSupport | None = Field(default=None, description="null: the model takes no images (and every "
                                                                   "older worker's card)")
-    adapters: list[str] = Field(default_factory=list,
-                                description="the LoRA adapters the worker serves, by name (sorted): a request names "
-                                            "one in `adapter`; empty: the base model only (and older workers)")
+    adapters: Annotated[list[Identifier], Field(max_length=MAX_CARD_ADAPTERS)] = Field(
+        default_factory=list, description="the LoRA adapters the worker serves, by name, sorted (a request names one "
+                                          "in `adapter`); [] from workers without adapters and older workers")
     heartbeat_at: float = Field(description="unix time of the worker's last refresh")
 
 

@@ -75,11 +75,13 @@ class ClientSettings(BaseSettings):
     def backend(self) -> str:
         return self.result_backend or self.redis_url
 
-    def queue_for(self, kwargs: Mapping[str, Any]) -> str:
-        """The queue a request goes to: the shared one, or its prefix route's when routing is on."""
+    def queue_for(self, kwargs: Mapping[str, Any], queue: str | None = None) -> str:
+        """The queue a request goes to: the model's (`queue`, else the configured one), or its
+        prefix route's when routing is on."""
+        queue = queue or self.queue
         if not self.prefix_routes:
-            return self.queue
-        return route_queue(self.queue, prefix_route(kwargs, self.prefix_routes, self.prefix_route_chars))
+            return queue
+        return route_queue(queue, prefix_route(kwargs, self.prefix_routes, self.prefix_route_chars))
 
     def redis(self, url: str | None = None, **options: Any) -> redis.Redis:
         """A client for redis_url (or `url`), plain or through Sentinel."""

@@ -48,8 +48,9 @@ def test_signatures_bind_body_and_timestamp_and_expire():
 # --- OpenAI compatibility -------------------------------------------------------------------
 
 
-def test_openai_sdk_streams_completions_equal_to_the_workers_result(oai: openai.OpenAI, genq: GenqClient):
-    assert [m.id for m in oai.models.list()] == [MODEL]
+def test_openai_sdk_streams_completions_equal_to_the_workers_result(oai: openai.OpenAI, genq: GenqClient,
+                                                                   worker: WorkerProcess):
+    assert [m.id for m in oai.models.list()] == [MODEL, str(worker.model)]  # the name, and the card's model
     prompt = "Once upon a time"
     expected = genq.submit({"prompt": prompt, "max_new_tokens": 24}).result(timeout=120)
 

@@ -51,7 +51,8 @@ from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, 
 from producer.gateway.images import ImageRefused, check_images, image_url_parts, resolve_images
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
-from producer.gateway.model_limits import CardReader, check_request
+from producer.gateway.model_limits import check_request
+from producer.gateway.model_router import ModelRouter
 from producer.gateway.openai_api import (
     STREAM_FAILURES,
     ChatChunkChoice,
@@ -76,9 +77,10 @@ from producer.gateway.openai_api import (
 from producer.gateway.openai_api import prompt_logprobs as shape_prompt_logprobs
 from producer.gateway.prompt_gate import PromptGate
 from producer.gateway.settings import GatewaySettings
-from producer.gateway.submission import check_model, parse_request, resuming
+from producer.gateway.submission import parse_request, resuming, routed
 from producer.gateway.subscriptions import FellBehind, SubscriptionHub
 from producer.gateway.tokens import tokens_router
+from producer.model_routes import ModelRoute
 from producer.protocol import (
     IDENTIFIER_PATTERN,
     GenerationRequest,
@@ -111,6 +113,8 @@ class WebhookTask(GenerationRequest):
     """The body of `POST /v1/tasks`: a generation request plus where to deliver its outcome."""
 
     callback_url: HttpUrl | None = Field(default=None, description="http(s) URL that receives the signed outcome")
+    model: str | None = Field(default=None, description="a served model or adapter, routed as OpenAI's `model` "
+                                                        "(docs/gateway.md, Routing by model); null: the first queue")
 
 
 class TaskAccepted(BaseModel):
@@ -134,24 +138,25 @@ class CancelAccepted(BaseModel):
 
 class Gateway:
     """What the handlers share: the settings, the async client (whose Redis also keeps the seen
-    webhook signatures, the task records and the workers' model card), the hub every stream's
-    live channel comes through, the open streams' count, and a connection to the broker's Redis
-    for the queue depth. Pub/sub has connections of its own; the command pools are bounded and
-    wait for a free connection, so streams never take what submissions need."""
+    webhook signatures, the task records and the workers' model cards, read per queue by the
+    model router), the hub every stream's live channel comes through, the open streams' count,
+    and a connection to the broker's Redis for the queue depth. Pub/sub has connections of its
+    own; the command pools are bounded and wait for a free connection, so streams never take
+    what submissions need."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.hub = SubscriptionHub(settings.redis_async(**pubsub_options(AsyncRetry(NoBackoff(), 0))),
                                    connections=settings.pubsub_connections, buffer=settings.stream_buffer_events)
         self.client = AsyncGenqClient(settings.redis_url, broker_url=settings.broker_url,
-                                      result_backend=settings.result_backend, queue=settings.queue,
+                                      result_backend=settings.result_backend, queue=settings.fronted_queues[0],
                                       key_prefix=settings.key_prefix, sentinel_master=settings.sentinel_master,
                                       subscriber=self.hub, max_connections=settings.redis_max_connections,
                                       pool_timeout_s=settings.redis_pool_timeout_s)
         self.broker = bounded_redis_async(settings, settings.broker, settings.redis_max_connections,
                                           settings.redis_pool_timeout_s)
         self.records = TaskRecords(self.client, settings.key_prefix, settings.task_record_ttl_s)
-        self.limits = CardReader(self.client.redis, settings.key_prefix, settings.queue, settings.card_refresh_s)
+        self.router = ModelRouter(self.client.redis, settings)
         self.streams = sse.StreamSlots(settings.max_streams_per_task, settings.max_streams_per_client,
                                        settings.retry_after_s)
         self.constraints = ConstraintChecker(settings)
@@ -163,26 +168,25 @@ class Gateway:
         await self.hub.close()
         await self.broker.aclose()
 
-    async def queue_depth(self) -> int:
+    async def queue_depth(self, queue: str) -> int:
         """Tasks waiting in the model's queue and, with prefix routing, in all its routes."""
-        queues = [self.settings.queue] + [route_queue(self.settings.queue, route)
-                                          for route in range(self.settings.prefix_routes)]
+        queues = [queue] + [route_queue(queue, route) for route in range(self.settings.prefix_routes)]
         async with self.broker.pipeline(transaction=False) as pipe:
             for queue in queues:
                 for level in PRIORITY_LEVELS:
                     pipe.llen(queue if level == 0 else f"{queue}{KOMBU_PRIORITY_SEPARATOR}{level}")
             return sum(await pipe.execute())
 
-    async def admit(self) -> None:
-        """Admission control: refuse new work while the queue is deeper than the limit, so that a
-        burst turns into fast 429s instead of requests that time out after waiting."""
+    async def admit(self, queue: str) -> None:
+        """Admission control: refuse new work while the model's queue is deeper than the limit, so
+        that a burst turns into fast 429s instead of requests that time out after waiting."""
         limit = self.settings.max_queue_depth
-        if limit is not None and (depth := await self.queue_depth()) > limit:
-            raise ApiError(429, "queue_full", f"{depth} tasks are waiting in queue {self.settings.queue!r} "
+        if limit is not None and (depth := await self.queue_depth(queue)) > limit:
+            raise ApiError(429, "queue_full", f"{depth} tasks are waiting in queue {queue!r} "
                                               f"(limit {limit}); retry later",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
-    async def send(self, request: GenerationRequest, identifier: str, callback_url: str | None) -> None:
+    async def send(self, request: GenerationRequest, identifier: str, callback_url: str | None, queue: str) -> None:
         """Enqueue with, when asked, the callback signatures: Celery publishes `link` with the
         result and `link_error` with the task id, to the callback queue (see producer.callbacks)."""
         options: dict[str, Any] = {}
@@ -191,7 +195,7 @@ class Gateway:
             for option, event in (("link", "generation.succeeded"), ("link_error", "generation.failed")):
                 options[option] = self.client.celery.signature(
                     DELIVER_CALLBACK_TASK, kwargs={**common, "event": event}, queue=self.settings.callback_queue)
-        handle = await self.client.submit(request, identifier=identifier, **options)
+        handle = await self.client.submit(request, identifier=identifier, queue=queue, **options)
         await handle.close()  # nobody follows a webhook's task from here: its reader comes via SSE
 
     async def status(self, identifier: str) -> TaskStatus:
@@ -289,13 +293,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(_gateway_token)],
              responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.model_name, created=gateway.started)])
+        """Every base model and adapter the live cards of the fronted queues serve (adapters with
+        their base model as `parent`, as vLLM lists LoRA modules)."""
+        routes = await gateway.router.routes()
+        return ModelList(data=[_model_card(route, gateway.started) for route in routes.values()])
 
-    @app.get("/v1/models/{model}", response_model=ModelCard, dependencies=[Depends(_gateway_token)],
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, dependencies=[Depends(_gateway_token)],
              responses=ERROR_RESPONSES)
     async def get_model(model: str) -> ModelCard:
-        check_model(settings, model)
-        return ModelCard(id=settings.model_name, created=gateway.started)
+        return _model_card((await gateway.router.resolve(model)).route, gateway.started)
 
     app.include_router(completions_router(_gateway_token, ERROR_RESPONSES))
 
@@ -305,8 +311,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         """OpenAI's chat completions; the worker renders the messages with the model's chat template."""
         return await _chat(gateway, request, body)
 
-    app.include_router(tokens_router(gateway.limits, partial(check_model, settings),
-                                     partial(parse_request, gateway.constraints, status=400), settings),
+    app.include_router(tokens_router(gateway.router, partial(parse_request, gateway.constraints, status=400),
+                                     settings),
                        dependencies=[Depends(_gateway_token)])
 
     # FastAPI's documented way to customise the schema is to replace the method.
@@ -338,19 +344,26 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
     if callback_url is not None and settings.webhook_secret is None:
         raise ApiError(422, "invalid_request", "callback_url: callbacks are signed with GENQ_WEBHOOK_SECRET, "
                                                "which this gateway does not have", param="callback_url")
+    model = payload.pop("model", None)
+    target = gateway.router.default if model is None else await gateway.router.resolve(_model_name(model))
+    if target.route.adapter is not None:
+        if payload.get("adapter") is not None:
+            raise ApiError(422, "invalid_request", "adapter: give either `model` (an adapter's name) or `adapter`",
+                           param="adapter")
+        payload["adapter"] = target.route.adapter
     generation = await parse_request(gateway.constraints, payload, status=422)
-    await gateway.limits.check(generation, status=422, names={})
+    await target.cards.check(generation, status=422, names={})
     if generation.image_inputs():
-        limits = await gateway.limits.current()
+        limits = await target.cards.current()
         try:
             await check_images(generation, None if limits is None else limits.images, limits is not None)
         except ImageRefused as error:
             raise ApiError(422, "invalid_image", str(error), param=error.param) from None
-    await gateway.admit()
+    await gateway.admit(target.route.queue)
     identifier = generation.identifier or str(uuid.uuid4())
     nonce = await gateway.records.claim(identifier)
     try:
-        await gateway.send(generation, identifier, callback_url)
+        await gateway.send(generation, identifier, callback_url, target.route.queue)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await gateway.records.release(identifier, nonce)
@@ -359,6 +372,16 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
               if settings.webhook_secret is not None else None)
     return TaskAccepted(id=identifier, stream_url=f"/v1/tasks/{identifier}/events",
                         result_url=f"/v1/tasks/{identifier}", access_token=access)
+
+
+def _model_name(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ApiError(422, "invalid_request", f"model: must be a string, got {_preview(value)}", param="model")
+    return value
+
+
+def _model_card(route: ModelRoute, created: int) -> ModelCard:
+    return ModelCard(id=route.name, created=created, parent=None if route.adapter is None else route.parent)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -434,8 +457,8 @@ async def _task_sse(events: AsyncGenerator[StreamEvent, None], after: EventKey |
 
 async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest) -> Any:
     settings = gateway.settings
-    check_model(settings, body.model)
-    limits = await gateway.limits.current()
+    target = await gateway.router.resolve(body.model)
+    limits = await target.cards.current()
     try:
         body.check_params(settings.ignore_unknown_params)
         images = await resolve_images(image_url_parts(body.messages), None if limits is None else limits.images,
@@ -448,6 +471,7 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
         raise ApiError(400, "invalid_image", str(error), param=error.param) from None
     identifier = f"chatcmpl-{uuid.uuid4().hex}"
     names = body.param_names()
+    fields = routed(fields, target)
     if fields.get("tools") is not None and limits is not None and limits.tool_format is not None:
         # The worker then forces and reads calls in the format this gateway reads the stream in.
         fields["tool_format"] = limits.tool_format
@@ -458,11 +482,11 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
     # Before anything is queued: a streamed request is answered 200 as soon as it is.
     if limits is not None:
         await check_request(limits, generation, status=400, names=names)
-    await gateway.admit()
+    await gateway.admit(target.route.queue)
     if body.stream:
         give_back = gateway.streams.take(identifier, sse.client_identity(request))
         try:
-            handle = await gateway.client.submit(generation, identifier=identifier)
+            handle = await gateway.client.submit(generation, identifier=identifier, queue=target.route.queue)
         except BaseException:
             give_back()
             raise
@@ -472,7 +496,7 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
                               reasoning_format=generation.reasoning_format, legacy_functions=body.legacy_functions,
                               prompt_logprobs=body.prompt_logprobs)
         return sse.EventStream(chunks, give_back)
-    handle = await gateway.client.submit(generation, identifier=identifier)
+    handle = await gateway.client.submit(generation, identifier=identifier, queue=target.route.queue)
     try:
         result = await sse.unless_disconnected(request, handle.result(timeout=settings.result_timeout_s))
     except GenerationError as error:

@@ -56,7 +56,7 @@ from producer.gateway.openai_api import (
     total_usage,
 )
 from producer.gateway.prompt_gate import PromptGate
-from producer.gateway.submission import check_model, parse_request, resuming
+from producer.gateway.submission import parse_request, resuming, routed
 from producer.protocol import GenerationRequest, GenerationResult, StreamEvent, TokenLogprob, Usage
 
 if TYPE_CHECKING:
@@ -78,29 +78,30 @@ def completions_router(gateway_token: Any, error_responses: Mapping[int | str, d
 
 async def _complete(gateway: Gateway, request: Request, body: CompletionRequest) -> Any:
     settings = gateway.settings
-    check_model(settings, body.model)
+    target = await gateway.router.resolve(body.model)
     try:
         fields = body.to_request_fields(settings.ignore_unknown_params)
         prompts = body.prompts()
     except UnsupportedParameter as error:
         raise ApiError(400, error.code, str(error), param=error.param) from None
     identifier = f"cmpl-{uuid.uuid4().hex}"
-    limits = await gateway.limits.current()
+    fields = routed(fields, target)
+    limits = await target.cards.current()
     generations = [await _checked(gateway, limits, body, {**fields, _prompt_field(prompt): prompt},
                                   identifier if len(prompts) == 1 else f"{identifier}-{i}", i)
                    for i, prompt in enumerate(prompts)]
     echo = await _echo(limits, body, prompts)
-    await gateway.admit()
+    await gateway.admit(target.route.queue)
     if body.stream:
         give_back = gateway.streams.take(identifier, sse.client_identity(request))
         try:
-            handles = await _submit(gateway, generations)
+            handles = await _submit(gateway, generations, target.route.queue)
         except BaseException:
             give_back()
             raise
         chunks = _stream(gateway, handles, identifier, body, echo)
         return sse.EventStream(chunks, give_back)
-    handles = await _submit(gateway, generations)
+    handles = await _submit(gateway, generations, target.route.queue)
     results = await _results(gateway, request, handles)
     if results is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -154,11 +155,12 @@ def _decode(tokenizer: PromptTokenizer | None, tokens: list[int]) -> str:
     return tokenizer.backend.decode(tokens, skip_special_tokens=False)
 
 
-async def _submit(gateway: Gateway, generations: list[GenerationRequest]) -> list[AsyncGenerationHandle]:
-    """Every prompt's task, over one broker connection; should sending fail part way, the tasks
-    already sent are cancelled."""
+async def _submit(gateway: Gateway, generations: list[GenerationRequest], queue: str
+                  ) -> list[AsyncGenerationHandle]:
+    """Every prompt's task to the model's queue, over one broker connection; should sending fail
+    part way, the tasks already sent are cancelled."""
     try:
-        return await gateway.client.submit_many(generations)
+        return await gateway.client.submit_many(generations, queue=queue)
     except BaseException:
         with anyio.CancelScope(shield=True):
             for generation in generations:

@@ -52,13 +52,16 @@ class ApiError(Exception):
     """An answer other than success, raised anywhere in a handler."""
 
     def __init__(self, status: int, code: str, message: str, *, param: str | None = None,
-                 problems: list[str] | None = None, headers: Mapping[str, str] | None = None) -> None:
+                 problems: list[str] | None = None, headers: Mapping[str, str] | None = None,
+                 kind: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.param, self.problems, self.headers = param, problems, headers
+        self.kind = kind or _TYPES.get(status, "server_error")
+        """The body's `type`: the status's, unless OpenAI answers otherwise (model_not_found)."""
 
     def response(self) -> JSONResponse:
-        detail = ErrorDetail(message=self.message, type=_TYPES.get(self.status, "server_error"), code=self.code,
+        detail = ErrorDetail(message=self.message, type=self.kind, code=self.code,
                              param=self.param, problems=self.problems)
         return JSONResponse(ErrorBody(error=detail).model_dump(exclude_none=True), status_code=self.status,
                             headers=self.headers)

@@ -56,8 +56,6 @@ from chat_template import ChatTemplate, with_bos
 from producer.chat_rendering import render_messages
 from producer.gateway.errors import ApiError
 from producer.model_card import (
-    CARD_TTL_S,
-    CARD_VERSION,
     CHAT_TEMPLATE_JSON,
     ImageSupport,
     WorkerCard,
@@ -65,6 +63,7 @@ from producer.model_card import (
     chat_template_key,
     tokenizer_key,
 )
+from producer.model_routes import live_cards
 from producer.protocol import GenerationRequest, ProtocolError
 from producer.reasoning import ReasoningFormat
 from producer.tool_calls import ToolFormat
@@ -155,6 +154,8 @@ class ModelLimits:
     """The workers' chat templates; None when they have none, disagree, or do not publish them."""
     images: ImageSupport | None = None
     """What the workers say about images (the one allowing most); None: their model takes none."""
+    cards: tuple[WorkerCard, ...] = ()
+    """The live cards these limits were read from (the models and adapters they serve)."""
 
 
 class CardReader:
@@ -194,16 +195,7 @@ class CardReader:
             await check_request(limits, request, status=status, names=names)
 
     async def _read(self, key: str) -> ModelLimits | None:
-        now = time.time()
-        cards = []
-        for node, raw in (await self.client.hgetall(key)).items():
-            try:
-                card = WorkerCard.model_validate_json(raw)
-            except ValidationError:
-                log.warning("ignoring the malformed model card entry of %r in %s", node, key)
-                continue
-            if card.version == CARD_VERSION and now - card.heartbeat_at <= CARD_TTL_S:
-                cards.append(card)
+        cards = live_cards(await self.client.hgetall(key), key)
         if not cards:
             return None
         identities = {(c.tokenizer_digest, c.add_bos, c.bos_correction, c.bos_token_id) for c in cards}
@@ -218,7 +210,8 @@ class CardReader:
                            reasoning_format=thinking.pop() if len(thinking) == 1 else None,
                            chat=None if digest is None else await self._load_chat(digest),
                            images=max((c.images for c in cards if c.images is not None), default=None,
-                                      key=lambda images: images.max_images))
+                                      key=lambda images: images.max_images),
+                           cards=tuple(cards))
 
     async def _load_tokenizer(self, identity: tuple[str, bool, int, int | None]) -> PromptTokenizer | None:
         if self._tokenizer is not None and self._tokenizer[0] == identity:

@@ -1004,6 +1004,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "genq"
+    parent: str | None = Field(default=None, description="an adapter's base model (vLLM's LoRA modules); "
+                                                          "null for a base model")
 
 
 class ModelList(BaseModel):

@@ -4,10 +4,13 @@ secret, callback queue and callback address policy) for what it must agree on wi
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import SettingsConfigDict
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from producer.callbacks import DEFAULT_CALLBACK_QUEUE
+from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE
 from producer.settings import ClientSettings
 
 
@@ -18,7 +21,11 @@ class GatewaySettings(ClientSettings):
     port: int = Field(default=8000, ge=0, le=65535, description="port `genq gateway` binds")
     token: SecretStr | None = Field(default=None, description="bearer token every endpoint accepts")
     allow_anonymous: bool = Field(default=False, description="serve without any credentials (development only)")
-    model_name: str = Field(default="genq", min_length=1, description="the model name the OpenAI endpoints serve")
+    model_name: str = Field(default="genq", min_length=1,
+                            description="a name of the first queue's base model, besides its card's `model`")
+    queues: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="the queues (worker pools) this gateway fronts, comma-separated, routed "
+                                          "to by `model` (docs/gateway.md, Routing); empty: GENQ_QUEUE alone")
     max_queue_depth: int | None = Field(default=1000, ge=0,
                                         description="429 when more tasks than this wait in the queue")
     retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429")
@@ -91,6 +98,25 @@ class GatewaySettings(ClientSettings):
     grammar_cache_size: int = Field(default=1024, ge=0,
                                     description="constraint checks remembered by the grammar's SHA-256 "
                                                 "(refusals too); 0 turns the cache off")
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _split_queues(cls, value: Any) -> Any:
+        """GENQ_GATEWAY_QUEUES=a,b as a list; each must name Redis keys (its card's)."""
+        if isinstance(value, str):
+            value = [queue.strip() for queue in value.split(",") if queue.strip()]
+        for queue in value if isinstance(value, list) else ():
+            if not isinstance(queue, str) or not IDENTIFIER_RE.fullmatch(queue):
+                raise ValueError(f"each queue must follow the identifier rule ({IDENTIFIER_PATTERN}), got {queue!r}")
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError("a queue is listed twice")
+        return value
+
+    @property
+    def fronted_queues(self) -> list[str]:
+        """The queues routed to, in the order that decides a name two serve; the first is the
+        default (native requests without `model`, GENQ_GATEWAY_MODEL_NAME)."""
+        return self.queues or [self.queue]
 
     @model_validator(mode="after")
     def _some_authentication(self) -> GatewaySettings:

@@ -1,4 +1,4 @@
-"""What every endpoint that queues work shares: the served model's name checked, a request's
+"""What every endpoint that queues work shares: the adapter a routed `model` names, a request's
 fields parsed into a GenerationRequest with OpenAI-named refusals, and a task's events read for a
 stream that cannot be resumed."""
 
@@ -11,16 +11,15 @@ from typing import Any
 from producer.client import AsyncGenerationHandle, EventKey
 from producer.gateway.constraints import ConstraintChecker
 from producer.gateway.errors import ApiError
+from producer.gateway.model_router import Target
 from producer.gateway.openai_api import openai_problem
-from producer.gateway.settings import GatewaySettings
 from producer.gateway.subscriptions import FellBehind
 from producer.protocol import GenerationRequest, ProtocolError, StreamEvent
 
 
-def check_model(settings: GatewaySettings, model: str) -> None:
-    if model != settings.model_name:
-        raise ApiError(404, "model_not_found", f"the model {model!r} does not exist; this gateway serves "
-                                               f"{settings.model_name!r}", param="model")
+def routed(fields: dict[str, Any], target: Target) -> dict[str, Any]:
+    """An OpenAI request's fields with the adapter its `model` names (none for a base model)."""
+    return fields if target.route.adapter is None else {**fields, "adapter": target.route.adapter}
 
 
 async def parse_request(constraints: ConstraintChecker, fields: dict[str, Any], *, status: int,

@@ -21,6 +21,7 @@ from producer.chat_rendering import render_messages
 from producer.gateway.errors import ApiError, ErrorBody
 from producer.gateway.images import ImageRefused, image_url_parts, resolve_images
 from producer.gateway.model_limits import CardReader, ModelLimits, PromptTokenizer
+from producer.gateway.model_router import ModelRouter
 from producer.gateway.openai_api import TOOL_SHAPE, ChatMessageParam, UnsupportedParameter, refuse_unknown, unknown_keys
 from producer.gateway.settings import GatewaySettings
 from producer.model_card import CARD_TTL_S
@@ -41,7 +42,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(default=None, description="if given, the served model's name")
+    model: str | None = Field(default=None, description="if given, a served model or adapter: its queue's card answers")
     prompt: str | None = Field(default=None, description="a text, encoded as a completions prompt is")
     messages: list[ChatMessageParam] | None = Field(default=None, description="a chat, rendered as the worker does")
     add_special_tokens: bool | None = Field(
@@ -65,7 +66,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(default=None, description="if given, the served model's name")
+    model: str | None = Field(default=None, description="if given, a served model or adapter: its queue's card answers")
     tokens: list[int]
 
 
@@ -73,18 +74,16 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def tokens_router(cards: CardReader, check_model: Callable[[str], None], parse: RequestParser,
-                  settings: GatewaySettings) -> APIRouter:
-    """The two endpoints, reading the card through `cards` (the gateway's CardReader); `settings`: the
-    unknown-key and image-fetch settings the chat endpoint uses too."""
+def tokens_router(models: ModelRouter, parse: RequestParser, settings: GatewaySettings) -> APIRouter:
+    """The two endpoints, reading the card of the queue `model` routes to (the first queue's
+    without one; an adapter tokenizes as its base model); `settings`: the unknown-key and
+    image-fetch settings the chat endpoint uses too."""
     router = APIRouter()
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: a prompt's or a chat's token ids, as the worker encodes the same request."""
-        if body.model is not None:
-            check_model(body.model)
-        limits, tokenizer = await _card(cards)
+        limits, tokenizer = await _card(await _cards(models, body.model))
         if body.prompt is not None and body.messages is None:
             given = [name for name in CHAT_ONLY if getattr(body, name) is not None]
             if given:
@@ -110,9 +109,7 @@ def tokens_router(cards: CardReader, check_model: Callable[[str], None], parse: 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's /detokenize: the text of token ids, special tokens included."""
-        if body.model is not None:
-            check_model(body.model)
-        limits, tokenizer = await _card(cards)
+        limits, tokenizer = await _card(await _cards(models, body.model))
         for index, token in enumerate(body.tokens):
             if not 0 <= token < limits.vocab_size:
                 vocabulary = f"[0, {limits.vocab_size})"
@@ -121,6 +118,10 @@ def tokens_router(cards: CardReader, check_model: Callable[[str], None], parse: 
         return DetokenizeResponse(prompt=await anyio.to_thread.run_sync(tokenizer.decode, body.tokens))
 
     return router
+
+
+async def _cards(models: ModelRouter, model: str | None) -> CardReader:
+    return (models.default if model is None else await models.resolve(model)).cards
 
 
 async def _card(cards: CardReader) -> tuple[ModelLimits, PromptTokenizer]:

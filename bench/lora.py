@@ -1,0 +1,173 @@
+"""What do LoRA adapters cost the engine? (issue 28, item 4: target >= 0.8x the base model's
+tokens/s with 16 distinct adapters.)
+
+One generator of a tiny random llama model with 16 PEFT adapters registered (random A and B,
+rank --rank on all seven projections, written by PEFT's save_pretrained). Each run enqueues 64
+jobs at once (distinct 16-token prompts, greedy, --new-tokens tokens each, no stop) and times
+them to the last token: the base model alone, then the jobs spread round-robin over 1, 4 and
+16 adapters (one step mixes all of them: the grouped LoRA product per adapter). The runs
+alternate, --repeats times, in one process; each point is the median tokens/s, reported with
+its ratio to the base model's. Memory per adapter is LoraAdapter.num_bytes (the stacked A and
+placed B the engine keeps), next to the base model's weight bytes.
+
+Writes bench/results/lora.{json,png} and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import torch
+from bench_common import (
+    MODEL_CACHE,
+    RESULTS_DIR,
+    bench_parser,
+    ensure_model,
+    load_average,
+    machine_info,
+    progress,
+    save_figure,
+    warn_if_busy,
+    write_results,
+)
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from engine import Generator, Job
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_COUNTS = (1, 4, 16)
+JOBS = 64
+PROMPT_TOKENS = 16
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = bench_parser(__doc__, "8 new tokens, one repeat; writes lora_quick.*", "about a minute on 2 cores")
+    parser.add_argument("--preset", default="tiny", help="tiny-model preset (default: tiny, ~5M parameters)")
+    parser.add_argument("--rank", type=int, default=16, help="adapter rank (default 16)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens each job generates")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating runs of every configuration")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return parser.parse_args(argv)
+
+
+def make_adapters(base: Path, rank: int, count: int) -> list[Path]:
+    """`count` PEFT adapters of `base` with random non-zero A and B, made once per (base, rank)."""
+    root = MODEL_CACHE / f"{base.name}-lora-r{rank}"
+    paths = [root / f"adapter{i}" for i in range(count)]
+    missing = [i for i, path in enumerate(paths) if not (path / "adapter_model.safetensors").exists()]
+    if missing:
+        progress(f"making {len(missing)} PEFT adapters (rank {rank}) in {root}")
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        for i in missing:
+            torch.manual_seed(i)
+            peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                                    init_lora_weights=False))
+            peft.save_pretrained(paths[i])
+            model = peft.unload()
+    return paths
+
+
+def timed_run(generator: Generator, adapters: int, new_tokens: int) -> float:
+    """Tokens/s of JOBS jobs enqueued at once, spread round-robin over `adapters` adapters (0: base)."""
+    for i in range(JOBS):
+        prompt = [5 + (7 * i + 3 * j) % 250 for j in range(PROMPT_TOKENS)]
+        generator.enqueue(Job(prompt, new_tokens, stop_conditions=[], identifier=i,
+                              adapter=None if adapters == 0 else f"adapter{i % adapters}"))
+    started = time.perf_counter()
+    generated = 0
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result.eos:
+                generated += len(result.completion_ids or ())
+    elapsed = time.perf_counter() - started
+    assert generated == JOBS * new_tokens, "every job generates its tokens"
+    return generated / elapsed
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    machine = machine_info()
+    warn_if_busy(args.threads)
+    path = ensure_model(args.preset)
+    new_tokens = 8 if args.quick else args.new_tokens
+    repeats = 1 if args.quick else args.repeats
+    generator = Generator.from_pretrained(path, cache_tokens=JOBS * (PROMPT_TOKENS + new_tokens + 16),
+                                          max_batch_size=JOBS)
+    sizes = [generator.adapters.register(f"adapter{i}", adapter).num_bytes
+             for i, adapter in enumerate(make_adapters(path, args.rank, max(ADAPTER_COUNTS)))]
+    base_bytes = sum(t.numel() * t.element_size() for t in generator.model.parameters())
+    configurations = (0, *ADAPTER_COUNTS)
+    timed_run(generator, max(ADAPTER_COUNTS), 2)  # warm up every adapter's first product
+    samples: dict[int, list[float]] = {count: [] for count in configurations}
+    for repeat in range(repeats):
+        for count in configurations:
+            samples[count].append(timed_run(generator, count, new_tokens))
+            progress(f"repeat {repeat}: {count} adapter(s): {samples[count][-1]:.0f} tokens/s")
+    base = statistics.median(samples[0])
+    points = [{"adapters": count, "tokens_per_s": round(statistics.median(samples[count]), 1),
+               "samples": [round(value, 1) for value in samples[count]],
+               "ratio_to_base": round(statistics.median(samples[count]) / base, 3)} for count in configurations]
+    return {
+        "method": __doc__,
+        "machine": machine,
+        "load_average_at_end": load_average(),
+        "threads": args.threads,
+        "preset": args.preset,
+        "rank": args.rank,
+        "jobs": JOBS,
+        "prompt_tokens": PROMPT_TOKENS,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "points": points,
+        "adapter_bytes": sizes[0],
+        "base_weight_bytes": base_bytes,
+        "target_met_at_16": points[-1]["ratio_to_base"] >= 0.8,
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    points = results["points"]
+    labels = ["base" if p["adapters"] == 0 else f"{p['adapters']} adapter(s)" for p in points]
+    bars = ax.bar(labels, [p["tokens_per_s"] for p in points], color=["grey"] + ["tab:blue"] * (len(points) - 1))
+    for bar, point in zip(bars, points, strict=True):
+        ax.annotate(f"{point['ratio_to_base']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    ax.axhline(0.8 * points[0]["tokens_per_s"], color="tab:red", linestyle="--", label="0.8x base (target)")
+    ax.set_ylabel("tokens/s (64 jobs)")
+    ax.set_title(f"LoRA, {results['preset']} llama, rank {results['rank']}, {results['threads']} thread(s)")
+    ax.legend(loc="lower right")
+    save_figure(fig, path)
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| adapters over 64 jobs | tokens/s | ratio to base |", "|---:|---:|---:|"]
+    for p in results["points"]:
+        lines.append(f"| {p['adapters'] or 'base'} | {p['tokens_per_s']:.0f} | {p['ratio_to_base']:.2f}x |")
+    mib = results["adapter_bytes"] / 2**20
+    base_mib = results["base_weight_bytes"] / 2**20
+    lines.append(f"\nmemory per adapter (rank {results['rank']}, 7 projections): {mib:.2f} MiB; "
+                 f"base weights {base_mib:.1f} MiB; "
+                 f"target >= 0.8x at 16 adapters met: {results['target_met_at_16']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    results = run(args)
+    write_results(results, args.out, "lora", args.quick, plot, table)
+
+
+if __name__ == "__main__":
+    main()
