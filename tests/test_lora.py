@@ -12,6 +12,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import llguidance
+import llguidance.torch
 import pytest
 import torch
 from peft import PeftModel
@@ -19,7 +21,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from engine import Generator, Job
+from engine import Constraint, Generator, Job
 from engine.cache import ROOT_HASH, KVCache, page_hash
 from engine.errors import AdapterLoadError, JobRejected
 from engine.lora import LoraBatch, load_adapter
@@ -129,6 +131,67 @@ def test_quantized_base_weights_with_adapters_equal_peft_over_the_same_weights(
                              for i, prompt in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         assert finals[i].completion_ids == peft_greedy(reference, choices[i], prompt, 8), f"job {i}"
+
+
+def peft_constrained_greedy(model: PeftModel, adapter: str, prompt: list[int], pattern: str,
+                            generator: Generator, max_new_tokens: int) -> list[int]:
+    """PEFT's greedy tokens with `adapter`, each step's argmax taken over the tokens llguidance's own
+    matcher allows for the regex (full forwards; the engine's constraint code is not used)."""
+    tokenizer = llguidance.LLTokenizer(generator.tokenizer.backend.to_str(), n_vocab=generator.model.config.vocab_size)
+    matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_regex(pattern))
+    bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
+    model.set_adapter(adapter)
+    tokens: list[int] = []
+    with torch.inference_mode():
+        while len(tokens) < max_new_tokens and not matcher.is_stopped():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1:, :tokenizer.vocab_size].clone()
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+            llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
+            tokens.append(int(logits[0].argmax()))
+            assert matcher.consume_token(tokens[-1])
+    return tokens
+
+
+def test_adapter_jobs_with_a_constraint_equal_peft_under_the_grammars_mask(
+        family_dirs: tuple[Path, dict[str, Path]], peft_model: PeftModel) -> None:
+    """A constrained job with an adapter, batched beside unconstrained and base-model jobs: its greedy
+    tokens are PEFT's argmax over the tokens the grammar allows, step by step."""
+    base_dir, adapters = family_dirs
+    generator = generator_with_adapters(base_dir, adapters)
+    pattern = "[a-z]{1,6}( [a-z]{1,6}){0,3}"
+    rng = random.Random(11)
+    vocab = generator.model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (6, 11, 9)]
+    jobs = [Job(prompts[0], 10, stop_conditions=[], identifier=0, adapter="full", constraint=Constraint.regex(pattern)),
+            Job(prompts[1], 10, stop_conditions=[], identifier=1, adapter="rs", constraint=Constraint.regex(pattern)),
+            Job(prompts[2], 10, stop_conditions=[], identifier=2)]
+    finals = run(generator, jobs)
+    for i, adapter in ((0, "full"), (1, "rs")):
+        assert finals[i].completion_ids == peft_constrained_greedy(peft_model, adapter, prompts[i], pattern,
+                                                                   generator, 10), f"job {i}"
+    assert finals[2].completion_ids == peft_greedy(peft_model, None, prompts[2], 10)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "q8", "k8v4"])
+def test_adapters_with_a_quantized_kv_cache_batch_as_they_run_alone(
+        family_dirs: tuple[Path, dict[str, Path]], peft_model: PeftModel, cache_dtype: str) -> None:
+    """A quantized KV cache stores what the projections (adapters included) computed: a batch mixing
+    two adapters and the base model gives each job the tokens it gets alone on the same cache, and
+    the adapters' tokens are not the base model's."""
+    base_dir, adapters = family_dirs
+    choices: list[str | None] = ["full", "rs", None]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(200) for _ in range(n)] for n in (5, 12, 7)]
+
+    def jobs(indices: list[int]) -> list[Job]:
+        return [Job(prompts[i], 12, stop_conditions=[], identifier=i, adapter=choices[i]) for i in indices]
+
+    batched = run(generator_with_adapters(base_dir, adapters, cache_dtype=cache_dtype), jobs([0, 1, 2]))
+    for i in range(3):
+        alone = run(generator_with_adapters(base_dir, adapters, cache_dtype=cache_dtype), jobs([i]))
+        assert batched[i].completion_ids == alone[i].completion_ids, f"job {i} ({choices[i]})"
+    for i in (0, 1):
+        assert batched[i].completion_ids != peft_greedy(peft_model, None, prompts[i], 12), f"job {i}"
 
 
 def test_mixed_forward_logits_within_1e4_of_peft(family_dirs: tuple[Path, dict[str, Path]],
