@@ -89,6 +89,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _span(start, BLOCK: tl.constexpr, limit):
+    """The BLOCK offsets from start and which of them are below limit: every tiled kernel's
+    row / column / K-step preamble, written once."""
+    offsets = start + tl.arange(0, BLOCK)
+    return offsets, offsets < limit
+
+
+@triton.jit
 def _tanh(x):
     """tanh from exp (no tanh in tl, and this runs in the interpreter too);
     exp of a non-positive argument never overflows."""
@@ -186,8 +194,7 @@ def rms_norm(
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    cols, mask = _span(tl.program_id(1) * BLOCK, BLOCK, n_cols)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     if GELU_TANH:
