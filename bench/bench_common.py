@@ -123,6 +123,16 @@ def percentiles_ms(values_s: Sequence[float], qs: Sequence[int] = (50, 90, 99)) 
     return {f"p{q}": round(float(v), 3) for q, v in zip(qs, points)}
 
 
+def number_cell(value: float | None, digits: int = 1, suffix: str = "", sign: bool = False) -> str:
+    """A table cell: value to `digits` decimals (signed when asked), or n/a for a figure a run did not have."""
+    return "n/a" if value is None else f"{value:{'+' if sign else ''}.{digits}f}{suffix}"
+
+
+def percentiles_cell(values: dict[str, float | None], keys: Sequence[str], digits: int, sign: bool = False) -> str:
+    """The percentiles named by keys as one "p50 / p99"-style table cell."""
+    return " / ".join(number_cell(values[k], digits, sign=sign) for k in keys)
+
+
 def ensure_model(preset: str, family: str = "llama", seed: int = 0, cache_dir: Path = MODEL_CACHE) -> Path:
     """The model directory for (family, preset, seed), made on first use and
     remade when tiny_model's config for it has changed since."""
