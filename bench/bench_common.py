@@ -181,6 +181,22 @@ def save_figure(fig: Any, path: Path, dpi: int = 120, rect: tuple[float, float, 
     plt.close(fig)
 
 
+def side_by_side(ticks: int, series: int, index: int) -> tuple[list[float], float]:
+    """x positions and width of bar series `index` of `series` drawn side by side at ticks 0, 1, ...
+    (together they fill 0.8 of each tick's slot, centred on it)."""
+    width = 0.8 / series
+    return [j + (index - (series - 1) / 2) * width for j in range(ticks)], width
+
+
+def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, list[float]]) -> None:
+    """One bar per series at each label, side by side; the labels as ticks and a legend of the series."""
+    for i, (name, values) in enumerate(series.items()):
+        xs, width = side_by_side(len(labels), len(series), i)
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.legend()
+
+
 def write_results(
     results: dict[str, Any],
     out: Path,
