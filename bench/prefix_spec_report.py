@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import number_cell, percentiles_cell  # noqa: E402
+from bench_common import number_cell, percentiles_cell, side_by_side  # noqa: E402
 
 _DEDUP_LABELS = {"dedup_off": "dedup off", "dedup_on": "dedup on"}
 _SPEC_COLORS = ["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:purple"]
@@ -149,14 +149,14 @@ def _plot_speculation(ax: plt.Axes, spec: dict[str, Any]) -> None:
             if name not in names:
                 names.append(name)
                 labels[name] = row["label"]
-    width = 0.8 / len(names)
     for k, name in enumerate(names):
+        positions, width = side_by_side(len(groups), len(names), k)
         xs, ys, notes = [], [], []
         for i, (wl, b) in enumerate(groups):
             row = spec["results"][wl][b]["configs"].get(name)
             if row is None:
                 continue
-            xs.append(i + (k - (len(names) - 1) / 2) * width)
+            xs.append(positions[i])
             ys.append(row["generated_tok_s"])
             rate = row["acceptance_rate"]
             notes.append(f"{row['speedup']:.2f}x" + (f"\n{rate * 100:.0f}%" if rate is not None else ""))

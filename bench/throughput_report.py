@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import percentiles_cell, save_figure  # noqa: E402
+from bench_common import percentiles_cell, save_figure, side_by_side  # noqa: E402
 
 SYSTEM_LABELS = {
     "engine": "genq engine",
@@ -76,15 +76,15 @@ def _grouped_bars(ax: plt.Axes, results: dict[str, Any], metric: str) -> list[An
     the markers p90 (triangle) and p99 (cross). Returns the bar containers."""
     models = list(results["models"])
     systems = [s for s in SYSTEM_LABELS if any(s in headline_runs(m) for m in results["models"].values())]
-    width = 0.8 / max(1, len(systems))
     containers = []
     for k, system in enumerate(systems):
+        positions, width = side_by_side(len(models), len(systems), k)
         xs, p50, p90, p99 = [], [], [], []
         for i, model in enumerate(models):
             run = headline_runs(results["models"][model]).get(system)
             if run is None:
                 continue
-            xs.append(i + (k - (len(systems) - 1) / 2) * width)
+            xs.append(positions[i])
             if metric == "generated_tok_s":
                 p50.append(run[metric])
             else:
