@@ -123,6 +123,16 @@ def percentiles_ms(values_s: Sequence[float], qs: Sequence[int] = (50, 90, 99)) 
     return {f"p{q}": round(float(v), 3) for q, v in zip(qs, points)}
 
 
+def number_cell(value: float | None, digits: int = 1, suffix: str = "", sign: bool = False) -> str:
+    """A table cell: value to `digits` decimals (signed when asked), or n/a for a figure a run did not have."""
+    return "n/a" if value is None else f"{value:{'+' if sign else ''}.{digits}f}{suffix}"
+
+
+def percentiles_cell(values: dict[str, float | None], keys: Sequence[str], digits: int, sign: bool = False) -> str:
+    """The percentiles named by keys as one "p50 / p99"-style table cell."""
+    return " / ".join(number_cell(values[k], digits, sign=sign) for k in keys)
+
+
 def ensure_model(preset: str, family: str = "llama", seed: int = 0, cache_dir: Path = MODEL_CACHE) -> Path:
     """The model directory for (family, preset, seed), made on first use and
     remade when tiny_model's config for it has changed since."""
@@ -169,6 +179,22 @@ def save_figure(fig: Any, path: Path, dpi: int = 120, rect: tuple[float, float, 
     fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def side_by_side(ticks: int, series: int, index: int) -> tuple[list[float], float]:
+    """x positions and width of bar series `index` of `series` drawn side by side at ticks 0, 1, ...
+    (together they fill 0.8 of each tick's slot, centred on it)."""
+    width = 0.8 / series
+    return [j + (index - (series - 1) / 2) * width for j in range(ticks)], width
+
+
+def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, list[float]]) -> None:
+    """One bar per series at each label, side by side; the labels as ticks and a legend of the series."""
+    for i, (name, values) in enumerate(series.items()):
+        xs, width = side_by_side(len(labels), len(series), i)
+        ax.bar(xs, values, width, label=name)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.legend()
 
 
 def write_results(

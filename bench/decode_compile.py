@@ -16,6 +16,7 @@ Writes bench/results/decode_compile.{json,png} and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,10 @@ from bench_common import (
 from host_overhead import ForwardTimer, sampler_timer
 from host_overhead import measure as measure_step
 
-from engine import Generator, Job
+from engine import Generator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.engine_runs import greedy_completions  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -53,17 +57,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="batch 1 and 16, 8 steps; writes decode_compile_quick.*")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     return parser.parse_args(argv)
-
-
-def greedy_tokens(gen: Generator, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        gen.enqueue(Job(prompt, max_new, stop_conditions=[], identifier=i))
-    out: dict[int, list[int]] = {}
-    while gen.num_remaining_jobs():
-        for result in gen.iterate():
-            if result.eos:
-                out[result.identifier] = list(result.completion_ids)
-    return [out[i] for i in range(len(prompts))]
 
 
 def measure_mode(gen: Generator, batches: Sequence[int], steps: int, warmup: int) -> list[dict[str, Any]]:
@@ -96,11 +89,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if mode == "compiled":
             gen.model.forward = torch.compile(gen.model.forward, dynamic=True)
             started = time.perf_counter()
-            tokens[mode] = greedy_tokens(gen, prompts, 8)  # first calls compile
+            tokens[mode] = greedy_completions(gen, prompts, 8)  # first calls compile
             compile_s = round(time.perf_counter() - started, 1)
             progress(f"compiled: the first generation (compiling) took {compile_s} s")
         else:
-            tokens[mode] = greedy_tokens(gen, prompts, 8)
+            tokens[mode] = greedy_completions(gen, prompts, 8)
         progress(f"{mode}:")
         modes[mode] = {"points": measure_mode(gen, batches, steps, args.warmup), "compile_s": compile_s}
     return {

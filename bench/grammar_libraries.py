@@ -28,7 +28,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, save_figure, write_results
+from bench_common import RESULTS_DIR, grouped_bars, load_average, machine_info, progress, save_figure, write_results
 
 from engine.tokenizer import Tokenizer
 
@@ -217,14 +217,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     libraries = list(results["libraries"])
     kinds = list(next(iter(results["libraries"].values()))["kinds"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(libraries)
-    for i, name in enumerate(libraries):
-        values = [results["libraries"][name]["kinds"][k]["mask_us_mean"] for k in kinds]
-        ax.bar([j + (i - (len(libraries) - 1) / 2) * width for j in range(len(kinds))], values, width, label=name)
-    ax.set_xticks(range(len(kinds)), kinds)
+    grouped_bars(ax, kinds, {name: [results["libraries"][name]["kinds"][k]["mask_us_mean"] for k in kinds]
+                             for name in libraries})
     ax.set_ylabel("mean mask time per token (µs)")
     ax.set_title(f"token bitmask, vocabulary {results['vocab_size']}")
-    ax.legend()
     save_figure(fig, path)
 
 

@@ -66,6 +66,7 @@ from bench_common import (
     machine_info,
     progress,
     save_figure,
+    side_by_side,
     warn_if_busy,
     write_results,
 )
@@ -240,11 +241,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     labels = list(results["runs"])
     modes = list(SETTINGS)
     fig, axes = plt.subplots(1, len(modes), figsize=(8 * len(modes), 5), squeeze=False)
-    width = 0.8 / len(labels)
     for ax, mode in zip(axes[0], modes):
         for i, label in enumerate(labels):
             points = [p for p in results["runs"][label]["points"] if p["mode"] == mode]
-            xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(points))]
+            xs, width = side_by_side(len(points), len(labels), i)
             bottom = [0.0] * len(points)
             for key, part, alpha in (("host_excl_sampler_ms", "host", 1.0), ("sampler_ms", "sampler", 0.6),
                                      ("forward_ms", "forward", 0.3)):

@@ -9,13 +9,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from bench_common import number_cell, percentiles_cell, side_by_side  # noqa: E402
 
 _DEDUP_LABELS = {"dedup_off": "dedup off", "dedup_on": "dedup on"}
 _SPEC_COLORS = ["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:purple"]
-
-
-def _fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
 
 
 def prefix_table(prefix: dict[str, Any]) -> list[str]:
@@ -29,7 +26,7 @@ def prefix_table(prefix: dict[str, Any]) -> list[str]:
     ]
     for name in ("dedup_off", "dedup_on"):
         run = prefix["best"][name]
-        ttft = " / ".join(_fmt(run["ttft_ms"][p], 0) for p in ("p50", "p90", "max"))
+        ttft = percentiles_cell(run["ttft_ms"], ("p50", "p90", "max"), 0)
         lines.append(
             f"| {_DEDUP_LABELS[name]} | {run['prompt_tokens']:,} | {run['computed_prompt_tokens']:,} "
             f"| {run['cached_prompt_tokens']:,} | {ttft} | {run['wall_s']:.2f} |"
@@ -67,8 +64,8 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
                     f"{rate * 100:.1f}% ({row['accepted_draft_tokens']:,} / {row['drafted_tokens']:,})"
                     if rate is not None else ("no drafts" if name != "off" else "-")
                 )
-                per_verify = _fmt(row.get("mean_accepted_per_verify_step"), 2) if name != "off" else "-"
-                draft_len = _fmt(row.get("mean_draft_length"), 2) if name != "off" else "-"
+                per_verify = number_cell(row.get("mean_accepted_per_verify_step"), 2) if name != "off" else "-"
+                draft_len = number_cell(row.get("mean_draft_length"), 2) if name != "off" else "-"
                 same = row["outputs_identical_to_off"]
                 speedup = f"**{row['speedup']:.2f}x**" if name != "off" else "1.00x"
                 lines.append(
@@ -79,8 +76,9 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
     s = spec["speedup_batch1_loop"]
     lines += [
         "",
-        f"Batch 1, loop workload: n-gram speculation {_fmt(s['num_draft_tokens_4'], 2, 'x')} with 4 draft tokens "
-        f"(best {_fmt(s['best'], 2, 'x')}); target >= {spec['target_speedup_batch1']}x: "
+        f"Batch 1, loop workload: n-gram speculation {number_cell(s['num_draft_tokens_4'], 2, 'x')} "
+        "with 4 draft tokens "
+        f"(best {number_cell(s['best'], 2, 'x')}); target >= {spec['target_speedup_batch1']}x: "
         f"{'met' if spec['target_met'] else 'NOT met'}.",
     ]
     mismatched = [
@@ -151,14 +149,14 @@ def _plot_speculation(ax: plt.Axes, spec: dict[str, Any]) -> None:
             if name not in names:
                 names.append(name)
                 labels[name] = row["label"]
-    width = 0.8 / len(names)
     for k, name in enumerate(names):
+        positions, width = side_by_side(len(groups), len(names), k)
         xs, ys, notes = [], [], []
         for i, (wl, b) in enumerate(groups):
             row = spec["results"][wl][b]["configs"].get(name)
             if row is None:
                 continue
-            xs.append(i + (k - (len(names) - 1) / 2) * width)
+            xs.append(positions[i])
             ys.append(row["generated_tok_s"])
             rate = row["acceptance_rate"]
             notes.append(f"{row['speedup']:.2f}x" + (f"\n{rate * 100:.0f}%" if rate is not None else ""))

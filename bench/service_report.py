@@ -9,15 +9,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import save_figure  # noqa: E402
+from bench_common import percentiles_cell, save_figure  # noqa: E402
 
 PATHS = {"engine": "engine alone (in-process)", "service": "service (Celery + Redis + worker)"}
 _COLORS = {"engine": "tab:blue", "service": "tab:orange"}
 
 
 def _pair(values: dict[str, float | None], digits: int, sign: bool = False) -> str:
-    fmt = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
-    return " / ".join("n/a" if values[p] is None else fmt.format(values[p]) for p in ("p50", "p99"))
+    """The table's "p50 / p99" cell."""
+    return percentiles_cell(values, ("p50", "p99"), digits, sign)
 
 
 def markdown_table(results: dict[str, Any]) -> str:

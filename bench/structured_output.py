@@ -28,7 +28,16 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
+from bench_common import (
+    RESULTS_DIR,
+    grouped_bars,
+    load_average,
+    machine_info,
+    progress,
+    save_figure,
+    warn_if_busy,
+    write_results,
+)
 
 from engine import Constraint, Generator, Job
 
@@ -140,16 +149,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(results: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
-    batches = [p["batch"] for p in results["points"]]
-    xs = range(len(batches))
-    ax.bar([x - 0.2 for x in xs], [p["unconstrained"]["tokens_per_s"] for p in results["points"]], 0.4,
-           label="unconstrained")
-    ax.bar([x + 0.2 for x in xs], [p["constrained"]["tokens_per_s"] for p in results["points"]], 0.4,
-           label="JSON Schema")
-    ax.set_xticks(list(xs), [f"batch {b}" for b in batches])
+    points = results["points"]
+    grouped_bars(ax, [f"batch {p['batch']}" for p in points], {
+        "unconstrained": [p["unconstrained"]["tokens_per_s"] for p in points],
+        "JSON Schema": [p["constrained"]["tokens_per_s"] for p in points],
+    })
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"structured output, {results['model']}")
-    ax.legend()
     save_figure(fig, path)
 
 

@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import save_figure  # noqa: E402
+from bench_common import percentiles_cell, save_figure, side_by_side  # noqa: E402
 
 SYSTEM_LABELS = {
     "engine": "genq engine",
@@ -40,10 +40,6 @@ def _label(system: str, model_result: dict[str, Any]) -> str:
     return SYSTEM_LABELS[system]
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def markdown_table(results: dict[str, Any]) -> str:
     """The table docs/benchmarks.md quotes, one row per (model, system)."""
     lines = [
@@ -54,8 +50,8 @@ def markdown_table(results: dict[str, Any]) -> str:
     for model, model_result in results["models"].items():
         runs = headline_runs(model_result)
         for system, run in runs.items():
-            ttft = " / ".join(_fmt(run["ttft_ms"][p], 0) for p in ("p50", "p90", "p99"))
-            itl = " / ".join(_fmt(run["itl_ms"][p], 1) for p in ("p50", "p90", "p99"))
+            ttft = percentiles_cell(run["ttft_ms"], ("p50", "p90", "p99"), 0)
+            itl = percentiles_cell(run["itl_ms"], ("p50", "p90", "p99"), 1)
             lines.append(
                 f"| {model} ({model_result['parameters'] / 1e6:.1f}M) | {_label(system, model_result)} "
                 f"| {run['generated_tok_s']:.1f} | {run['total_tok_s']:.1f} | {ttft} | {itl} "
@@ -80,15 +76,15 @@ def _grouped_bars(ax: plt.Axes, results: dict[str, Any], metric: str) -> list[An
     the markers p90 (triangle) and p99 (cross). Returns the bar containers."""
     models = list(results["models"])
     systems = [s for s in SYSTEM_LABELS if any(s in headline_runs(m) for m in results["models"].values())]
-    width = 0.8 / max(1, len(systems))
     containers = []
     for k, system in enumerate(systems):
+        positions, width = side_by_side(len(models), len(systems), k)
         xs, p50, p90, p99 = [], [], [], []
         for i, model in enumerate(models):
             run = headline_runs(results["models"][model]).get(system)
             if run is None:
                 continue
-            xs.append(i + (k - (len(systems) - 1) / 2) * width)
+            xs.append(positions[i])
             if metric == "generated_tok_s":
                 p50.append(run[metric])
             else:

@@ -275,22 +275,17 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        documents: list[dict[str, Any]] | None = None,
-        **template_kwargs: Any,
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> str:
-        """Render a conversation exactly as transformers' apply_chat_template(tokenize=False) would
-        (ChatTemplate.render, chat_template/): tools and documents reach the template as the
-        variables of those names, template_kwargs too (e.g. enable_thinking for Qwen3)."""
+        """Render a conversation exactly as transformers' apply_chat_template(tokenize=False) would:
+        ChatTemplate.render (chat_template/), whose signature names the template's inputs (tools,
+        documents; other template_kwargs such as Qwen3's enable_thinking reach the template too)."""
         if not self.chat_template:
             raise ModelLoadError(
                 f"{self.source} has no chat template: tokenizer_config.json has no 'chat_template' field "
                 "and there is no chat_template.jinja; send a plain prompt instead"
             )
-        return self.chat.render(messages, add_generation_prompt, tools=tools, documents=documents, **template_kwargs)
+        return self.chat.render(messages, add_generation_prompt, **template_kwargs)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any

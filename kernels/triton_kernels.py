@@ -32,11 +32,11 @@ Design (after vLLM's unified Triton attention and flash-decoding):
   so the kernels match the reference to 1e-5.
 - Quantized caches (kernels/kv_quant.py): `_write_kv_quant_kernel` quantizes
   each (token, head) vector into its slot and scales, bit-identical to the
-  torch reference; `_quantized_paged_attention_kernel` is the attention kernel
-  with each K/V tile dequantized (fp32) right after its load. K and V each
-  have their own format (constexprs K_FORMAT / V_FORMAT: "k8v4" is q8 keys
-  and q4 values). The full-precision `_paged_attention_kernel` is that kernel
-  with no scales (and keeps its own signature). The Hadamard rotation of
+  torch reference; `_paged_attention_kernel` dequantizes each K/V tile
+  (fp32) right after its load. K and V each have their own format
+  (constexprs K_FORMAT / V_FORMAT: "k8v4" is q8 keys and q4 values); a
+  full-precision cache is the _FLOAT format, whose scale pointer and
+  strides are passed but never read. The Hadamard rotation of
   fp8 is applied around the kernels (kv_quant.rotate), as the
   reference does: to K / V before the write kernel quantizes them, to q when
   K is rotated and to the output when V is.
@@ -86,6 +86,14 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _span(start, BLOCK: tl.constexpr, limit):
+    """The BLOCK offsets from start and which of them are below limit: every tiled kernel's
+    row / column / K-step preamble, written once."""
+    offsets = start + tl.arange(0, BLOCK)
+    return offsets, offsets < limit
 
 
 @triton.jit
@@ -186,8 +194,7 @@ def rms_norm(
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    cols, mask = _span(tl.program_id(1) * BLOCK, BLOCK, n_cols)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     if GELU_TANH:
@@ -549,33 +556,6 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_h, stride_kc_p, stride_kc_s, stride_vc_h, stride_vc_p, stride_vc_s,
     stride_pt, page_size,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE_ONLY: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-):
-    """A full-precision cache: the quantized kernel with no scales (the scale
-    pointers passed are never read)."""
-    _quantized_paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        page_table_ptr, cu_q_ptr, ctx_ptr,
-        scale, num_seqs, num_query_heads, head_dim, sliding_window, softcap,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kc_h, stride_kc_p, stride_kc_s, stride_vc_h, stride_vc_p, stride_vc_s,
-        stride_pt, page_size,
-        k_cache_ptr, v_cache_ptr, 0, 0, 0, 0, 0, 0,
-        GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS, DECODE_ONLY, HAS_WINDOW, SOFTCAP, IEEE,
-        _FLOAT, 1, _FLOAT, 1,
-    )
-
-
-@triton.jit
-def _quantized_paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    page_table_ptr, cu_q_ptr, ctx_ptr,
-    scale, num_seqs, num_query_heads, head_dim, sliding_window, softcap,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kc_h, stride_kc_p, stride_kc_s, stride_vc_h, stride_vc_p, stride_vc_s,
-    stride_pt, page_size,
     k_scale_ptr, v_scale_ptr, stride_ks_h, stride_ks_p, stride_ks_s, stride_vs_h, stride_vs_p, stride_vs_s,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -779,16 +759,13 @@ def paged_attention(
         HAS_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
     )
     grid = (num_blocks, num_kv_heads, num_splits)
-    if not k_fmt.quantized and not v_fmt.quantized:
-        _paged_attention_kernel[grid](*args, **consts)
-    else:
-        _quantized_paged_attention_kernel[grid](
-            *args, k_scales if k_fmt.quantized else k_cache, v_scales if v_fmt.quantized else v_cache,
-            *_scale_strides(k_scales if k_fmt.quantized else None),
-            *_scale_strides(v_scales if v_fmt.quantized else None),
-            **consts, K_FORMAT=_FORMAT_IDS[k_fmt.name], K_GROUP=k_fmt.group_size,
-            V_FORMAT=_FORMAT_IDS[v_fmt.name], V_GROUP=v_fmt.group_size,
-        )
+    _paged_attention_kernel[grid](
+        *args, k_scales if k_fmt.quantized else k_cache, v_scales if v_fmt.quantized else v_cache,
+        *_scale_strides(k_scales if k_fmt.quantized else None),
+        *_scale_strides(v_scales if v_fmt.quantized else None),
+        **consts, K_FORMAT=_FORMAT_IDS[k_fmt.name], K_GROUP=k_fmt.group_size,
+        V_FORMAT=_FORMAT_IDS[v_fmt.name], V_GROUP=v_fmt.group_size,
+    )
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
             part_out, part_lse, out, num_heads, head_dim, out.stride(0), out.stride(1),

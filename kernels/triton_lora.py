@@ -18,12 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_kernels import _cast, _dot
+from kernels.triton_kernels import _cast, _dot, _span
 
 BLOCK_M = 16
 BLOCK_R = 16
 BLOCK_N = 64
 BLOCK_K = 64
+
+
+@triton.jit
+def _group_rows(tok_ptr, G, BLOCK_M: tl.constexpr):
+    """This program's BLOCK_M rows of the group, which of them exist, and their tokens (int64):
+    the gather both launches start with."""
+    rows, row_ok = _span(tl.program_id(0) * BLOCK_M, BLOCK_M, G)
+    tokens = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    return rows, row_ok, tokens
 
 
 @triton.jit
@@ -33,17 +42,11 @@ def _shrink_kernel(
     stride_x, stride_a, stride_t,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < G
-    rank_ok = ranks < R
-    tokens = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    rows, row_ok, tokens = _group_rows(tok_ptr, G, BLOCK_M)
+    ranks, rank_ok = _span(tl.program_id(1) * BLOCK_R, BLOCK_R, R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        ks, k_ok = _span(k0, BLOCK_K, K)
         x = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         # A^T tile: [BLOCK_K, BLOCK_R], element (k, r) = A[r, k]
@@ -61,17 +64,11 @@ def _expand_kernel(
     stride_t, stride_b, stride_o,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < G
-    col_ok = cols < N
-    tokens = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    rows, row_ok, tokens = _group_rows(tok_ptr, G, BLOCK_M)
+    cols, col_ok = _span(tl.program_id(1) * BLOCK_N, BLOCK_N, N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
-        rs = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rs < R
+        rs, r_ok = _span(r0, BLOCK_R, R)
         t = tl.load(tmp_ptr + rows[:, None].to(tl.int64) * stride_t + rs[None, :],
                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         # B^T tile: [BLOCK_R, BLOCK_N], element (r, n) = B[n, r], in fp32 as the buffer is

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_kernels import _cast, _dot
+from kernels.triton_kernels import _cast, _dot, _span
 
 
 @triton.jit
@@ -38,18 +38,13 @@ def _quant_matmul_kernel(
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_OFFSETS: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, row_ok = _span(tl.program_id(0) * BLOCK_M, BLOCK_M, M)
+    cols, col_ok = _span(tl.program_id(1) * BLOCK_N, BLOCK_N, N)
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        ks, k_ok = _span(k0, BLOCK_K, K)
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]

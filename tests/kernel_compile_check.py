@@ -53,15 +53,20 @@ def check(dt: str) -> None:
     names = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "page_table_ptr",
              "cu_q_ptr", "ctx_ptr", "scale", "num_seqs", "num_query_heads", "head_dim", "sliding_window", "softcap",
              "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kc_h", "stride_kc_p", "stride_kc_s",
-             "stride_vc_h", "stride_vc_p", "stride_vc_s", "stride_pt", "page_size"]
+             "stride_vc_h", "stride_vc_p", "stride_vc_s", "stride_pt", "page_size", "k_scale_ptr", "v_scale_ptr",
+             "stride_ks_h", "stride_ks_p", "stride_ks_s", "stride_vs_h", "stride_vs_p", "stride_vs_s"]
+    # a float cache (format "auto"): the scale pointers and strides are passed but never read
     types = [p, p, p, p, "*fp32", "*fp32", "*i32", "*i32", "*i32", "fp32"] + ["i32"] * 4 + ["fp32"] + ["i32"] * 12
+    types += [p, p] + ["i32"] * 6
+    auto = tk._FORMAT_IDS["auto"]
     for decode, splits, window, group, softcap in (
         (True, 8, False, 4, True), (False, 1, True, 8, True), (False, 2, False, 1, False)
     ):
         block_m = 16 if decode else 64
         consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_Q=1 if decode else block_m // group, BLOCK_M=block_m,
                       BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=splits, DECODE_ONLY=decode, HAS_WINDOW=window,
-                      SOFTCAP=softcap, IEEE=dt == "fp32")
+                      SOFTCAP=softcap, IEEE=dt == "fp32", K_FORMAT=auto, K_GROUP=128, V_FORMAT=auto,
+                      V_GROUP=128)
         compile_one(f"paged_attention {dt} decode_only={decode} splits={splits} window={window} G={group} "
                     f"softcap={softcap}",
                     tk._paged_attention_kernel, dict(zip(names, types)), consts)

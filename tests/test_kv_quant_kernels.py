@@ -387,8 +387,8 @@ def compile_quantized_kernels() -> None:
         consts = dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=1,
                       DECODE_ONLY=False, HAS_WINDOW=True, SOFTCAP=True, IEEE=False, K_FORMAT=kf,
                       K_GROUP=layout.k.group_size, V_FORMAT=vf, V_GROUP=layout.v.group_size)
-        compile_one(f"paged_attention {name}", tk._quantized_paged_attention_kernel,
-                    signature(tk._quantized_paged_attention_kernel, k_type, v_type), consts)
+        compile_one(f"paged_attention {name}", tk._paged_attention_kernel,
+                    signature(tk._paged_attention_kernel, k_type, v_type), consts)
 
 
 def test_quantized_kernels_compile_for_an_sm90_gpu_without_one():
