@@ -188,9 +188,10 @@ def test_a_batch_with_20_alternatives_a_token_finishes_without_pausing_another_s
     worker showed the loop stepping every 3 to 5 ms through most of those gaps while the Redis
     server's main thread waited 67 to 212 ms for a CPU (the recorder's, up to 240 ms), and the
     rounds that paused most had their gap right after this thread sent the batch (its sends hold
-    this process's GIL). As measured now: 11 to 34 ms over 6 rounds; with the results' pacing
-    (worker/pacing.py, tests/test_pacing.py) taken out, 9 to 58 ms: a batch of 8 results is too
-    small for the GIL to show here, as the canary sees it."""
+    this process's GIL). As measured now: 6 to 73 ms over 21 rounds, with this machine's load
+    average at 5 to 6; with the results' pacing (worker/pacing.py, tests/test_pacing.py) taken
+    out, 9 to 58 ms over 9 rounds: 8 results are too few for their GIL holds to show here as the
+    canary sees them (tests/test_pacing.py shows them)."""
     schedstats = path_schedstats(worker, redis_client)
     pauses = [longest_pause_while_a_batch_finishes(client, redis_client, schedstats) for _ in range(ROUNDS)]
     assert max(p.engine_s for p in pauses) < MAX_GAP_S, (

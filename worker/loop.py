@@ -10,9 +10,9 @@ that by a third thread, the finishing thread: a result with logprobs is the
 heaviest thing the worker makes, and neither the loop nor the other requests'
 streams wait for it. The finishing thread builds and encodes each result in
 paced slices (worker/pacing.py), so that it does not hold the GIL the loop
-needs between its torch ops either. Idle, the loop sleeps on a condition variable. On
-shutdown it drains: no new jobs, and those still running when the grace period
-ends are requeued.
+needs between its torch ops either. Idle, the loop sleeps on a condition
+variable. On shutdown it drains: no new jobs, and those still running when the
+grace period ends are requeued.
 
 LoRA adapters are loaded and unloaded through the same inbox (AdapterChange, from the control
 listener), between steps, so only the loop thread touches the generator's adapter registry. A

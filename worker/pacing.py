@@ -2,10 +2,11 @@
 
 The engine loop gives up the GIL at every torch op of a step and then waits to take it back.
 While another thread runs Python, each of those waits can last the interpreter's switch
-interval (5 ms), and while it is inside one long C call (json.dumps of a 280 KB result: 10 to
-20 ms) the whole call: a step makes hundreds of such waits. Building and encoding 8 results
-with 20 alternatives a token beside the loop so stretched its steps to 68 to 140 ms, with only
-6 to 11 ms of the loop's own CPU each.
+interval (5 ms), and while it is inside one long C call the whole call: one json.dumps of a
+result of 2,000 tokens with 20 alternatives each holds the GIL about 90 ms here
+(tests/test_pacing.py). Measured in one process on this 2-core machine, building and encoding
+16 results of 128 such tokens beside a generator stepping a canary stretched its longest step
+(less its wait for a CPU) from about 35 ms alone to 79 to 207 ms; paced, 34 to 61 ms.
 
 Work paced here runs one job at a time (PACER's lock), in slices of about SLICE_S, each
 followed by REST_S asleep, GIL released: the loop then waits at most about a slice for the GIL,
