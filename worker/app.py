@@ -6,11 +6,19 @@
 from __future__ import annotations
 
 from celery import Celery
+from kombu.serialization import register
+from kombu.utils.json import loads as json_loads
 
 from producer.routing import task_router
 from producer.settings import celery_base_config
 from worker import bootsteps
+from worker.pacing import paced_result_json
 from worker.settings import Settings
+
+PACED_JSON = "genq-paced-json"
+"""The results' serializer: kombu's JSON made in paced slices (worker/pacing.py). It writes the
+same text as "json" under the same content type, so any client decodes it as JSON; registered
+under that content type, it also decodes what this worker reads back."""
 
 
 def create_app(settings: Settings | None = None) -> Celery:
@@ -22,8 +30,10 @@ def create_app(settings: Settings | None = None) -> Celery:
     config["broker_transport_options"].update(
         unacked_restore_interval=max(1, min(10, settings.visibility_timeout_s // 2)), unacked_restore_throttle=1
     )
+    register(PACED_JSON, paced_result_json, json_loads, content_type="application/json", content_encoding="utf-8")
     app.conf.update(
         config,
+        result_serializer=PACED_JSON,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,

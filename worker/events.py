@@ -6,7 +6,9 @@ loop feeds it each step's outputs and publishes what it returns.
 A request's end comes in two parts: conclude() decides it on the engine loop
 (reasons, counts, the final event's seq: cheap), finish() builds the final
 event and the result from that off the loop, since a result's logprobs (a
-token and its top alternatives, each with its text) can be a million values."""
+token and its top alternatives, each with its text) can be a million values;
+it calls the pace it is given after each token's, so that the thread building
+them can leave the loop the GIL (worker/pacing.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from producer.protocol import (
     Usage,
 )
 from producer.protocol import FinishReason as WireFinishReason
+from worker.pacing import Pace, no_pace
 from worker.tool_results import with_reasoning, with_tool_calls
 
 EOS_REASON_TO_FINISH_REASON: dict[FinishReason, WireFinishReason] = {
@@ -204,10 +207,11 @@ class RequestEvents:
         seq, self.seq = self.seq, self.seq + 1
         return Outcome(kind, finish_reason, usage, timings, expired, seq)
 
-    def finish(self, outcome: Outcome) -> Ending:
+    def finish(self, outcome: Outcome, pace: Pace = no_pace) -> Ending:
         """The final event and the result of a concluded request. The result holds every
         logprob, the prompt's too; the event holds none (each chunk carried its tokens' logprobs),
-        so a request's logprobs are not stored once more in its replay stream."""
+        so a request's logprobs are not stored once more in its replay stream. pace() is called
+        after each token's logprobs."""
         outputs = [self.outputs[i] for i in range(self.samples)]
         choices = with_tool_calls(with_reasoning([Choice(index=i, text=output.full_completion or "",
                                                          token_ids=output.completion_ids or [],
@@ -245,7 +249,7 @@ class RequestEvents:
             tool_calls=choices[0].tool_calls,
             reasoning_content=choices[0].reasoning_content,
         ).to_dict()
-        logprobs = [self.logprob_dicts(output.completion_logprobs) if output.completion_logprobs is not None
+        logprobs = [self.logprob_dicts(output.completion_logprobs, pace) if output.completion_logprobs is not None
                     else None for output in outputs]
         result["logprobs"] = logprobs[0]
         for choice in result["choices"] or []:
@@ -253,7 +257,7 @@ class RequestEvents:
         scored = outputs[0].prompt_logprobs  # the samples' one prompt, scored by sample 0 (Job.samples)
         if scored is not None:
             result["prompt_token_ids"] = list(outputs[0].job.input_ids)
-            result["prompt_logprobs"] = [None if lp is None else self.logprob_dict(lp) for lp in scored]
+            result["prompt_logprobs"] = [None if lp is None else self.logprob_dict(lp, pace) for lp in scored]
         return Ending(event, StoredResult(result))
 
     def wire_logprobs(self, logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
@@ -270,15 +274,17 @@ class RequestEvents:
         """The prompt's log-probabilities as wire_logprobs makes a chunk's; the first is None."""
         return [None if lp is None else self.wire_logprobs([lp])[0] for lp in scored]
 
-    def logprob_dicts(self, logprobs: list[EngineTokenLogprob]) -> list[dict[str, Any]]:
+    def logprob_dicts(self, logprobs: list[EngineTokenLogprob], pace: Pace = no_pace) -> list[dict[str, Any]]:
         """wire_logprobs as the JSON objects a result stores (see StoredResult)."""
-        return [self.logprob_dict(lp) for lp in logprobs]
+        return [self.logprob_dict(lp, pace) for lp in logprobs]
 
-    def logprob_dict(self, lp: EngineTokenLogprob) -> dict[str, Any]:
-        """One logprob as the JSON object a result stores."""
+    def logprob_dict(self, lp: EngineTokenLogprob, pace: Pace = no_pace) -> dict[str, Any]:
+        """One logprob as the JSON object a result stores; pace() once it is made."""
         decode = self.token_text
-        return {"token_id": lp.token_id, "token": decode(lp.token_id), "logprob": lp.logprob,
+        made = {"token_id": lp.token_id, "token": decode(lp.token_id), "logprob": lp.logprob,
                 "top_logprobs": [{"token_id": t, "token": decode(t), "logprob": v} for t, v in lp.top]}
+        pace()
+        return made
 
 
 def _sample_finish_reason(output: EngineOutput, expired: bool) -> WireFinishReason:

@@ -8,9 +8,11 @@ before waking the task threads whose jobs finished. The final events and
 results of the requests that ended in the step are built and published after
 that by a third thread, the finishing thread: a result with logprobs is the
 heaviest thing the worker makes, and neither the loop nor the other requests'
-streams wait for it. Idle, the loop sleeps on a condition variable. On
-shutdown it drains: no new jobs, and those still running when the grace period
-ends are requeued.
+streams wait for it. The finishing thread builds and encodes each result in
+paced slices (worker/pacing.py), so that it does not hold the GIL the loop
+needs between its torch ops either. Idle, the loop sleeps on a condition
+variable. On shutdown it drains: no new jobs, and those still running when the
+grace period ends are requeued.
 
 LoRA adapters are loaded and unloaded through the same inbox (AdapterChange, from the control
 listener), between steps, so only the loop thread touches the generator's adapter registry. A
@@ -35,11 +37,17 @@ from engine.errors import AdapterLoadError
 from producer.protocol import FinishReason as WireFinishReason
 from producer.protocol import GenerationRequest, StreamEvent, Timings, Usage
 from worker.events import Outcome, RequestEvents, StoredResult, sample_of
+from worker.pacing import PACER, dumps_paced
 from worker.publisher import Publisher, PublishingThread
+from worker.thread_names import name_this_thread
 
 log = logging.getLogger(__name__)
 
 TOKENS_PER_SECOND_WINDOW_S = 10.0
+#: The names of the loop thread and of the thread that publishes its steps' events, the kernel's
+#: too (worker/thread_names.py: at most 15 characters).
+LOOP_THREAD_NAME = "genq-loop"
+PUBLISHER_THREAD_NAME = "genq-publisher"
 #: How long a cancel for a request this worker has not seen (yet) is remembered.
 EARLY_CANCEL_MEMORY_S = 600.0
 
@@ -116,7 +124,7 @@ class EngineLoop:
         self.generator = generator
         self.on_finished = on_finished
         self.on_adapters = on_adapters
-        self.publishing = PublishingThread(publisher, "genq-publisher")
+        self.publishing = PublishingThread(publisher, PUBLISHER_THREAD_NAME)
         self.finishing = PublishingThread(publisher, "genq-finisher")
         self.counters = LoopCounters()
         self._early_cancels: dict[str, float] = {}
@@ -131,7 +139,7 @@ class EngineLoop:
         self._exit_when_idle = False
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._token_texts: dict[int, str] = {}
-        self._thread = threading.Thread(target=self._run, name="genq-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=LOOP_THREAD_NAME, daemon=True)
 
     # -- called from other threads -------------------------------------------
 
@@ -230,6 +238,7 @@ class EngineLoop:
     # -- the loop thread ----------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread()
         while True:
             with self._cond:
                 while not (self._inbox or self._cancels or self._active or self._adapter_changes
@@ -442,13 +451,17 @@ def _with_results(events: list[StreamEvent], finished: list[Submission]) -> tupl
 
 
 def _endings(concluded: list[Concluded]) -> tuple[list[StreamEvent], dict[str, str]]:
-    """On the finishing thread: the concluded requests' final events, and their results."""
-    events = []
+    """On the finishing thread: the concluded requests' final events, and their results (task
+    id -> JSON), each built and encoded in one paced turn."""
+    events, finals = [], {}
     for c in concluded:
-        ending = c.submission.stream.finish(c.outcome)
-        c.submission.result = ending.result
+        with PACER.turn() as pace:
+            ending = c.submission.stream.finish(c.outcome, pace)
+            c.submission.result = ending.result
+            if c.submission.task_id:
+                finals[c.submission.task_id] = dumps_paced(ending.result.to_dict(), pace)
         events.append(ending.event)
-    return _with_results(events, [c.submission for c in concluded])
+    return events, finals
 
 
 def _wake(submissions: list[Submission]) -> None:

@@ -42,6 +42,7 @@ from producer.protocol import (
     stream_key,
 )
 from worker.redelivery import with_redis_retries
+from worker.thread_names import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class PublishingThread:
         self._thread.join()
 
     def _run(self) -> None:
+        name_this_thread()
         while (item := self._queue.get()) is not None:
             step, then = item
             try:
