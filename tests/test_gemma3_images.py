@@ -22,7 +22,15 @@ from engine.embeddings import Embedding
 from engine.vision.images import ImagePrompt
 from kernels.reference import paged_attention
 from tests.engine_runs import run
-from tests.test_image_jobs import NEW_TOKENS, PAGE_SIZE, generator_for, make_images, preempted_and_not, vision_of
+from tests.test_image_jobs import (
+    NEW_TOKENS,
+    PAGE_SIZE,
+    assert_alone_and_batched,
+    generator_for,
+    make_images,
+    preempted_and_not,
+    vision_of,
+)
 
 
 def image_prompt(generator: Generator) -> ImagePrompt:
@@ -81,12 +89,7 @@ def test_gemma3_image_jobs_match_transformers_generate(gemma3_dir: Path, hf_gemm
     soft = vision_of(generator).image_token_id
     assert prompts["one"][0].index(soft) < 24 < prompts["one"][0].index(soft) + 16  # a chunk would split it
     expected = {name: hf_generate(hf_gemma3, generator, ids, images) for name, (ids, images) in prompts.items()}
-    alone = {}
-    for name in prompts:
-        alone |= run(generator, gemma3_jobs(generator, {name: prompts[name]}))
-    assert {name: alone[name].completion_ids for name in prompts} == expected
-    batched = run(generator, gemma3_jobs(generator, prompts))
-    assert {name: batched[name].completion_ids for name in prompts} == expected
+    assert_alone_and_batched(generator, prompts, expected, gemma3_jobs)
 
 
 def test_causal_attention_over_the_image_would_differ(gemma3_dir: Path, hf_gemma3: Any):

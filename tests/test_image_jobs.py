@@ -24,6 +24,8 @@ from tests.engine_runs import run
 
 PAGE_SIZE = 8
 NEW_TOKENS = 8
+Prompts = dict[str, tuple[list[int], list[Image.Image]]]
+"""name -> (prompt ids with one placeholder per image, the images)"""
 
 
 def make_images(count: int, seed: int = 0) -> list[Image.Image]:
@@ -59,7 +61,7 @@ def hf_generate(hf: Any, vision: ImageEncoder, ids: list[int], images: list[Imag
     return completion
 
 
-def image_jobs(generator: Generator, prompts: dict[str, tuple[list[int], list[Image.Image]]]) -> list[Job]:
+def image_jobs(generator: Generator, prompts: Prompts) -> list[Job]:
     """One Job per prompt: its images prepared (generator.vision; the generator encodes them when it admits
     the job), the placeholders expanded."""
     vision = vision_of(generator)
@@ -71,22 +73,33 @@ def image_jobs(generator: Generator, prompts: dict[str, tuple[list[int], list[Im
     return jobs
 
 
+def llava_prompts(generator: Generator) -> Prompts:
+    """One image, two images, text only: LLaVA prompts with one image token per image."""
+    image = vision_of(generator).image_token_id
+    pictures = make_images(3)
+    return {"one": ([5, 6, 7, image, 8, 9, 10, 11], pictures[:1]),
+            "two": ([12, image, 40, image, 13, 14], pictures[1:3]),
+            "text": ([30, 31, 32, 33, 34], [])}
+
+
+def assert_alone_and_batched(generator: Generator, prompts: Prompts, expected: dict[str, list[int]],
+                             build: Callable[[Generator, Prompts], list[Job]]) -> None:
+    """Each prompt's greedy tokens are `expected`, run one job at a time and all batched together."""
+    alone = {}
+    for name in prompts:
+        alone |= run(generator, build(generator, {name: prompts[name]}))
+    assert {name: alone[name].completion_ids for name in prompts} == expected
+    batched = run(generator, build(generator, prompts))
+    assert {name: batched[name].completion_ids for name in prompts} == expected
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_image_jobs_match_transformers_generate(llava_dir: Path, hf_llava: Any, prefix_caching: bool):
     generator = generator_for(llava_dir, prefix_caching=prefix_caching)
+    prompts = llava_prompts(generator)
     vision = vision_of(generator)
-    image = vision.image_token_id
-    pictures = make_images(3)
-    prompts = {"one": ([5, 6, 7, image, 8, 9, 10, 11], pictures[:1]),
-               "two": ([12, image, 40, image, 13, 14], pictures[1:3]),
-               "text": ([30, 31, 32, 33, 34], [])}
     expected = {name: hf_generate(hf_llava, vision, ids, images) for name, (ids, images) in prompts.items()}
-    alone = {}
-    for name in prompts:
-        alone |= run(generator, image_jobs(generator, {name: prompts[name]}))
-    assert {name: alone[name].completion_ids for name in prompts} == expected
-    batched = run(generator, image_jobs(generator, prompts))
-    assert {name: batched[name].completion_ids for name in prompts} == expected
+    assert_alone_and_batched(generator, prompts, expected, image_jobs)
 
 
 def test_the_same_image_is_encoded_once_and_shares_pages(llava_dir: Path):

@@ -26,7 +26,15 @@ from tests.engine_runs import run
 from tests.gateway_service import running_worker
 from tests.gguf_mmproj_files import write_llava_gguf
 from tests.test_gateway_images import b64, png
-from tests.test_image_jobs import generator_for, hf_generate, image_jobs, make_images, vision_of
+from tests.test_image_jobs import (
+    assert_alone_and_batched,
+    generator_for,
+    hf_generate,
+    image_jobs,
+    llava_prompts,
+    make_images,
+    vision_of,
+)
 from tests.test_vision_towers import TOLERANCE, hf_features
 from worker.cli import build_parser
 from worker.images import image_support
@@ -45,19 +53,10 @@ def test_gguf_with_mmproj_matches_transformers_generate(llava_gguf: tuple[Path, 
                                                         prefix_caching: bool):
     text, mmproj = llava_gguf
     generator = generator_for(text, mmproj=mmproj, prefix_caching=prefix_caching)
+    prompts = llava_prompts(generator)
     vision = vision_of(generator)
-    image = vision.image_token_id
-    pictures = make_images(3)
-    prompts = {"one": ([5, 6, 7, image, 8, 9, 10, 11], pictures[:1]),
-               "two": ([12, image, 40, image, 13, 14], pictures[1:3]),
-               "text": ([30, 31, 32, 33, 34], [])}
     expected = {name: hf_generate(hf_llava, vision, ids, images) for name, (ids, images) in prompts.items()}
-    alone = {}
-    for name in prompts:
-        alone |= run(generator, image_jobs(generator, {name: prompts[name]}))
-    assert {name: alone[name].completion_ids for name in prompts} == expected
-    batched = run(generator, image_jobs(generator, prompts))
-    assert {name: batched[name].completion_ids for name in prompts} == expected
+    assert_alone_and_batched(generator, prompts, expected, image_jobs)
 
 
 def test_mmproj_image_features_equal_transformers(llava_gguf: tuple[Path, Path], hf_llava: Any):
