@@ -28,14 +28,13 @@ def lora_add_reference(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: t
     out.index_add_(0, tokens, delta.to(out.dtype))
 
 
-def lora_add_segments_reference(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+def lora_add_segments_reference(out: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
                                 gather: torch.Tensor, valid: torch.Tensor | None, tokens: torch.Tensor) -> None:
-    """out [T, N] += every group's delta at once: A [G, R, K] and B [G, N, R] the groups' weights,
+    """out [T, N] += every group's delta at once: A^T [G, K, R] and B^T [G, R, N] the groups' weights,
     gather [G * M] the x row of each of the G groups' M padded positions, valid the positions
     that are real rows (None: all are) and tokens [V] the out row of each (distinct rows)."""
-    groups = a.shape[0]
-    segments = x.index_select(0, gather).view(groups, -1, x.shape[1])
-    delta = torch.bmm(torch.bmm(segments, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, b.shape[1])
+    segments = x.index_select(0, gather).view(a_t.shape[0], -1, x.shape[1])
+    delta = torch.bmm(torch.bmm(segments, a_t), b_t).view(-1, b_t.shape[2])
     if valid is not None:
         delta = delta.index_select(0, valid)
     out.index_add_(0, tokens, delta.to(out.dtype))

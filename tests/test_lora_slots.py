@@ -39,10 +39,10 @@ def loaded(base: Path, adapters: dict[str, Path]) -> dict[str, LoraAdapter]:
 
 def assert_slot_holds(slots: LoraSlots, slot: int, adapter: LoraAdapter) -> None:
     for key in slots.a:
-        a, b = adapter.weights.get(key, (torch.zeros(0, slots.a[key].shape[2]), torch.zeros(slots.b[key].shape[1], 0)))
+        a, b = adapter.weights.get(key, (torch.zeros(0, slots.a[key].shape[1]), torch.zeros(slots.b[key].shape[2], 0)))
         rank = a.shape[0]
-        assert torch.equal(slots.a[key][slot, :rank], a) and torch.equal(slots.b[key][slot, :, :rank], b), key
-        assert not slots.a[key][slot, rank:].any() and not slots.b[key][slot, :, rank:].any(), key
+        assert torch.equal(slots.a[key][slot, :, :rank], a.t()) and torch.equal(slots.b[key][slot, :rank], b.t()), key
+        assert not slots.a[key][slot, :, rank:].any() and not slots.b[key][slot, rank:].any(), key
     assert set(adapter.weights) <= set(slots.a)
 
 

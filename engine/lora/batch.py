@@ -30,7 +30,7 @@ MAX_PADDING = 2
 @dataclass(frozen=True)
 class Segments:
     """The step's adapter tokens in lora_add_segments_reference's layout: weights[(layer, linear)]
-    the groups' stacked (A, B), gather / valid / tokens as that function takes them."""
+    the groups' stacked (A^T, B^T), gather / valid / tokens as that function takes them."""
 
     weights: dict[LinearKey, tuple[torch.Tensor, torch.Tensor]]
     gather: torch.Tensor

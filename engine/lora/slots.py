@@ -19,8 +19,10 @@ from engine.lora.adapter import LinearKey, LoraAdapter
 
 class LoraSlots:
     def __init__(self) -> None:
-        self.a: dict[LinearKey, torch.Tensor] = {}  # [slots, rank, in]: a fused linear's widest A
-        self.b: dict[LinearKey, torch.Tensor] = {}  # [slots, out, rank]
+        # A^T [slots, in, rank] and B^T [slots, rank, out]: transposed so torch.bmm reads them
+        # contiguously (half the time of transposed views on the 2-core CPU)
+        self.a: dict[LinearKey, torch.Tensor] = {}
+        self.b: dict[LinearKey, torch.Tensor] = {}
         self._slots: dict[int, int] = {}  # id(adapter) -> slot
         self._finalizers: dict[int, weakref.finalize[[int], LoraAdapter]] = {}
         self._free: list[int] = []
@@ -39,13 +41,13 @@ class LoraSlots:
             self.b[key][slot].zero_()
         for key, (a, b) in adapter.weights.items():
             if key not in self.a:
-                self.a[key] = a.new_zeros(self.capacity, 0, a.shape[1])
-                self.b[key] = b.new_zeros(self.capacity, b.shape[0], 0)
-            if a.shape[0] > self.a[key].shape[1]:
-                self.a[key] = _padded(self.a[key], 1, a.shape[0])
-                self.b[key] = _padded(self.b[key], 2, a.shape[0])
-            self.a[key][slot, : a.shape[0]] = a
-            self.b[key][slot, :, : b.shape[1]] = b
+                self.a[key] = a.new_zeros(self.capacity, a.shape[1], 0)
+                self.b[key] = b.new_zeros(self.capacity, 0, b.shape[0])
+            if a.shape[0] > self.a[key].shape[2]:
+                self.a[key] = _padded(self.a[key], 2, a.shape[0])
+                self.b[key] = _padded(self.b[key], 1, a.shape[0])
+            self.a[key][slot, :, : a.shape[0]] = a.t()
+            self.b[key][slot, : b.shape[1]] = b.t()
         self._slots[id(adapter)] = slot
         self._finalizers[id(adapter)] = weakref.finalize(adapter, self._free_slot, id(adapter))
         return slot
