@@ -126,7 +126,7 @@ class Generator:
         self.vision: ImageEncoder | None = None  # a vision-language model's images -> Embeddings
         # LoRA adapters jobs may name (Job(adapter=...)): register / unregister between iterate() calls
         self.adapters = AdapterRegistry(model.config, model.embed_tokens.weight.dtype, self.device,
-                                        held=self._held_adapters)
+                                        held=self._held_adapters, slots=self.runner.builder.lora_slots)
 
     @property
     def pool(self) -> PagePool:

@@ -30,6 +30,7 @@ from engine.batch import ForwardBatch
 from engine.cache import KVCache
 from engine.cuda_graphs import DecodeGraphs, graphable
 from engine.lora.batch import LoraBatch
+from engine.lora.slots import LoraSlots
 from engine.model import CausalLM
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
@@ -70,6 +71,7 @@ class BatchBuilder:
         self._free = list(range(max_rows - 1, -1, -1))
         # serial -> (table row, page_version written)
         self._rows: dict[int, list[int]] = {}
+        self.lora_slots = LoraSlots()  # the adapters' stacked weights: the registry frees a slot on offload
 
     def release(self, serial: int) -> None:
         """The sequence left the running batch; its table row is free."""
@@ -85,7 +87,8 @@ class BatchBuilder:
         else:
             batch = self._general(rows, table_rows)
         if adapters and any(row.sequence.adapter is not None for row in rows):
-            batch.lora = LoraBatch.build(((row.sequence.adapter, len(row.tokens)) for row in rows), self.device)
+            batch.lora = LoraBatch.build(((row.sequence.adapter, len(row.tokens)) for row in rows), self.device,
+                                         self.lora_slots)
         return batch
 
     def _table_row(self, sequence: Sequence) -> int:

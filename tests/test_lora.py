@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from engine import Constraint, Generator, Job
 from engine.cache import ROOT_HASH, KVCache, page_hash
 from engine.errors import AdapterLoadError, JobRejected
-from engine.lora import LoraBatch, load_adapter
+from engine.lora import LoraBatch, LoraSlots, load_adapter
 from engine.quantized_linear import quantize_weight
 from engine.weights import load_model
 from tests.engine_runs import run
@@ -194,12 +194,21 @@ def test_adapters_with_a_quantized_kv_cache_batch_as_they_run_alone(
         assert batched[i].completion_ids != peft_greedy(peft_model, None, prompts[i], 12), f"job {i}"
 
 
+@pytest.mark.parametrize("layout", ["per-group", "stacked-slots"])
 def test_mixed_forward_logits_within_1e4_of_peft(family_dirs: tuple[Path, dict[str, Path]],
-                                                 peft_model: PeftModel) -> None:
-    """One forward whose rows run the two adapters and the base model, interleaved."""
+                                                 peft_model: PeftModel, layout: str) -> None:
+    """One forward whose rows run the two adapters and the base model, interleaved: the product per
+    adapter, and the batched one over stacked slots (ranks 8 and 4/6 padded to the widest, the rs
+    adapter's untargeted linears zero, groups padded to the longest, a spare adapter in slot 0 so
+    the step's slots are gathered)."""
     base_dir, adapter_dirs = family_dirs
     model = load_model(base_dir)
     loaded = {name: load_adapter(path, model.config, name, torch.float32, "cpu") for name, path in adapter_dirs.items()}
+    slots = None
+    if layout == "stacked-slots":
+        slots = LoraSlots()
+        spare = load_adapter(adapter_dirs["full"], model.config, "spare", torch.float32, "cpu")
+        assert slots.slot(spare) == 0
     cache = KVCache.allocate(model.config, 64, PAGE_SIZE, torch.float32, "cpu")
     rng = random.Random(1)
     lengths = [5, PAGE_SIZE + 1, 3, 20, 12, 1]
@@ -209,7 +218,10 @@ def test_mixed_forward_logits_within_1e4_of_peft(family_dirs: tuple[Path, dict[s
     pages = iter(range(64))
     tables = [[next(pages) for _ in range(-(-n // PAGE_SIZE))] for n in lengths]
     lora = LoraBatch.build([(loaded[name] if name else None, n) for name, n in zip(names, lengths, strict=True)],
-                           torch.device("cpu"))
+                           torch.device("cpu"), slots)
+    assert lora is not None
+    if slots is not None:
+        assert lora.segments is not None and lora.segments.valid is not None, "the batched layout, padded"
     with torch.inference_mode():
         logits = run_forward(model, cache, seqs, tables, [0] * len(seqs), lengths, lora)
         for row, (name, tokens) in enumerate(zip(names, seqs, strict=True)):

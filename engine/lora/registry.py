@@ -25,16 +25,19 @@ from engine.config import ModelConfig
 from engine.errors import AdapterLoadError, AdaptersBusy, JobRejected
 from engine.lora.adapter import LoraAdapter
 from engine.lora.loading import load_adapter
+from engine.lora.slots import LoraSlots
 
 
 class AdapterRegistry:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 held: Callable[[], set[int]] = set) -> None:
-        """held(): the ids of the adapters live jobs hold (never evicted)."""
+                 held: Callable[[], set[int]] = set, slots: LoraSlots | None = None) -> None:
+        """held(): the ids of the adapters live jobs hold (never evicted); slots: the stacked
+        weights of the steps' batched product, whose slot an offloaded adapter gives up."""
         self.config, self.dtype, self.device = config, dtype, device
         self.max_loras: int | None = None
         self.evictions = 0
         self._held = held
+        self._slots = slots
         self._adapters: dict[str, LoraAdapter] = {}
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
 
@@ -50,7 +53,7 @@ class AdapterRegistry:
         if self._make_room(set()):
             self._resident[name] = None
         else:
-            adapter.offload()
+            self._offload(adapter)
         return adapter
 
     def unregister(self, name: str) -> None:
@@ -89,10 +92,16 @@ class AdapterRegistry:
             adapter = self._adapters[name]
             if id(adapter) not in held:
                 del self._resident[name]
-                adapter.offload()
+                self._offload(adapter)
                 self.evictions += 1
                 return True
         return False
+
+    def _offload(self, adapter: LoraAdapter) -> None:
+        """Move the adapter to host memory, its stacked copy (if any) freed with it."""
+        if self._slots is not None:
+            self._slots.release(adapter)
+        adapter.offload()
 
     def resident(self) -> list[str]:
         """The registered adapters whose tensors are on the device, least recently used first."""
