@@ -42,20 +42,16 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.gguf_file import GGUF_GROUP_SIZE, is_gguf, open_gguf
+from engine.lora.targets import TARGETS
 from engine.model import CausalLM
 from engine.quantized_linear import QUANTIZE_FORMATS, QuantizedLinear, QuantizedWeight, quantize_linears
 from engine.vision.checkpoint import language_model_name
 
 log = logging.getLogger(__name__)
 
-# HF sub-module name -> (our fused parameter's module name, shard index in the fusion)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+# HF sub-module name -> (our fused parameter's module name, shard index in the fusion): the
+# projections whose engine linear has another name (the one table of where each sits, LoRA's too)
+_FUSED = {hf: place for hf, place in TARGETS.items() if place[0] != hf}
 # MoE experts: HF per-expert tensor (Mixtral's names, then Qwen3-MoE's) -> (our stacked parameter, shard in its rows)
 _EXPERT = {
     "w1": ("gate_up_proj", 0),
