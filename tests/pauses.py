@@ -8,11 +8,21 @@ exceeds 100 ms now and then, whatever the engine does. Linux counts it per threa
 field of /proc/<pid>/task/<tid>/schedstat is the nanoseconds the thread has waited on a run
 queue (sched_info's run_delay). A pause minus that wait is what the engine made the loop spend:
 its own work and its waits, none of which a hostile request may stretch past the bound.
+
+A full garbage collection stops every thread while it walks the heap: in a test session that has
+loaded a thousand tests' objects it takes half a second and more, where the worker, which
+freezes its startup objects after warm-up (worker/runtime.py), walks only what it made since.
+Tests that time a loop run inside `frozen_heap()`, which does the same with the session's heap,
+and every pause says how much of it was collection, so a failure names the cause.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +32,36 @@ def schedstat_path(pid: int | None = None, tid: int | None = None) -> Path:
     if pid is None and tid is None:
         return Path(f"/proc/self/task/{threading.get_native_id()}/schedstat")
     return Path(f"/proc/{pid}/task/{tid}/schedstat")
+
+
+class _CollectionClock:
+    """Seconds the process has spent in garbage collection since it was imported (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._started
+
+
+COLLECTIONS = _CollectionClock()
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """What is alive now is left out of the collector's passes, as the worker does after its
+    warm-up; the session's heap is collected normally again afterwards."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def run_queue_wait_s(path: Path) -> float:
@@ -35,11 +75,12 @@ def run_queue_wait_s(path: Path) -> float:
 
 @dataclass(frozen=True)
 class Pause:
-    """One gap between two of the loop's steps: its wall time, and how much of it the loop
-    thread spent waiting for a CPU."""
+    """One gap between two of the loop's steps: its wall time, how much of it the loop thread
+    spent waiting for a CPU, and how long the process spent in garbage collection in it."""
 
     wall_s: float = 0.0
     run_queue_s: float = 0.0
+    collection_s: float = 0.0
 
     @property
     def engine_s(self) -> float:
@@ -47,7 +88,8 @@ class Pause:
 
     def __str__(self) -> str:
         return f"{self.engine_s * 1000:.0f} ms ({self.wall_s * 1000:.0f} ms wall, " \
-               f"{self.run_queue_s * 1000:.0f} ms waiting for a CPU)"
+               f"{self.run_queue_s * 1000:.0f} ms waiting for a CPU, {self.collection_s * 1000:.0f} ms " \
+               "collecting garbage)"
 
 
 class PauseClock:
@@ -57,13 +99,14 @@ class PauseClock:
         self.path = path
         self._last = clock
         self._last_wait = run_queue_wait_s(path)
+        self._last_collections = COLLECTIONS.total_s
         self.longest = Pause()
 
     def tick(self, clock: float, count: bool = True) -> Pause:
         """The gap since the last tick; the longest of those counted is kept."""
-        wait = run_queue_wait_s(self.path)
-        pause = Pause(clock - self._last, wait - self._last_wait)
-        self._last, self._last_wait = clock, wait
+        wait, collections = run_queue_wait_s(self.path), COLLECTIONS.total_s
+        pause = Pause(clock - self._last, wait - self._last_wait, collections - self._last_collections)
+        self._last, self._last_wait, self._last_collections = clock, wait, collections
         if count and pause.engine_s > self.longest.engine_s:
             self.longest = pause
         return pause

@@ -19,7 +19,7 @@ import pytest
 from kombu import serialization
 from kombu.utils.json import dumps as kombu_dumps
 
-from tests.pauses import Pause, PauseClock, schedstat_path
+from tests.pauses import Pause, PauseClock, frozen_heap, schedstat_path
 from worker.app import PACED_JSON
 from worker.pacing import PACER, SLICE_S, dumps_paced, no_pace, paced_result_json
 
@@ -91,7 +91,9 @@ class Ticker:
 
 @pytest.fixture(scope="module")
 def big() -> Iterator[dict[str, Any]]:
-    yield {"logprobs": logprobs(TOKENS)}
+    value = {"logprobs": logprobs(TOKENS)}
+    with frozen_heap():  # as the worker after its warm-up: no full collection of the session's heap
+        yield value
 
 
 def test_one_json_dumps_keeps_the_gil_from_the_ticker_throughout(big: dict[str, Any]):
