@@ -36,7 +36,9 @@ class Job:
     penalty or temperature); the prefill computes them, so such a prompt is never read from the
     prefix cache (engine/prompt_logprobs.py).
     `adapter` names a LoRA adapter registered on the generator (generator.adapters; None: the base
-    model); enqueue refuses a name not registered then (docs/engine.md, Adapters)."""
+    model); enqueue refuses a name not registered then (docs/engine.md, Adapters).
+    `tenant` names who the job counts against (None: the default tenant), for fair admission
+    between tenants (issue 29)."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class Job:
         banned_strings: Iterable[str] | str = (),
         token_healing: bool = False,
         adapter: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.input_ids = _as_token_list(input_ids)
         if not self.input_ids:
@@ -116,6 +119,9 @@ class Job:
         if adapter is not None and (not isinstance(adapter, str) or not adapter):
             raise ValueError(f"adapter must be None or a non-empty adapter name, got {adapter!r}")
         self.adapter = adapter
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"tenant must be None or a non-empty tenant name, got {tenant!r}")
+        self.tenant = tenant
         self.serial: int | None = None
 
     def samples(self, n: int) -> list[Job]:

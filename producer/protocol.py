@@ -754,6 +754,9 @@ class GenerationRequest(_Input):
     adapter: Identifier | None = Field(default=None, description="the LoRA adapter to generate with, by the name the "
                                        "worker loaded it under (its card's `adapters`); None = the base model")
     priority: int | None = Field(default=None, ge=MIN_PRIORITY, le=MAX_PRIORITY, description="0 = highest")
+    tenant: Identifier | None = Field(default=None, description="who the request counts against: fair share and usage "
+                                      "are kept per tenant (the gateway sets it from the API key); None = the "
+                                      "default tenant")
     deadline: float | None = Field(default=None, gt=0.0, le=MAX_DEADLINE, description="unix time, seconds")
     timeout_s: float | None = Field(default=None, gt=0.0, le=MAX_TIMEOUT_S, description="seconds from pick-up")
     stream: StreamOptions = Field(default_factory=StreamOptions)

@@ -96,6 +96,7 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
         token_healing=request.token_healing,
         embeddings=images,
         adapter=request.adapter,
+        tenant=request.tenant,
     )
 
 
