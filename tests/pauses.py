@@ -76,11 +76,14 @@ def run_queue_wait_s(path: Path) -> float:
 @dataclass(frozen=True)
 class Pause:
     """One gap between two of the loop's steps: its wall time, how much of it the loop thread
-    spent waiting for a CPU, and how long the process spent in garbage collection in it."""
+    spent waiting for a CPU, how long the process spent in garbage collection in it, and the
+    thread's own CPU time in it (what is left of the wall time is the thread asleep: waiting
+    for the GIL, a lock or I/O)."""
 
     wall_s: float = 0.0
     run_queue_s: float = 0.0
     collection_s: float = 0.0
+    running_s: float = 0.0
 
     @property
     def engine_s(self) -> float:
@@ -88,25 +91,29 @@ class Pause:
 
     def __str__(self) -> str:
         return f"{self.engine_s * 1000:.0f} ms ({self.wall_s * 1000:.0f} ms wall, " \
-               f"{self.run_queue_s * 1000:.0f} ms waiting for a CPU, {self.collection_s * 1000:.0f} ms " \
-               "collecting garbage)"
+               f"{self.run_queue_s * 1000:.0f} ms waiting for a CPU, {self.running_s * 1000:.0f} ms running, " \
+               f"{self.collection_s * 1000:.0f} ms collecting garbage)"
 
 
 class PauseClock:
-    """Gaps between ticks of one thread's loop, each with that thread's run-queue wait."""
+    """Gaps between ticks of one thread's loop, each with that thread's run-queue wait; made and
+    ticked on that thread (its CPU time is time.thread_time's)."""
 
     def __init__(self, clock: float, path: Path) -> None:
         self.path = path
         self._last = clock
         self._last_wait = run_queue_wait_s(path)
         self._last_collections = COLLECTIONS.total_s
+        self._last_running = time.thread_time()
         self.longest = Pause()
 
     def tick(self, clock: float, count: bool = True) -> Pause:
         """The gap since the last tick; the longest of those counted is kept."""
-        wait, collections = run_queue_wait_s(self.path), COLLECTIONS.total_s
-        pause = Pause(clock - self._last, wait - self._last_wait, collections - self._last_collections)
-        self._last, self._last_wait, self._last_collections = clock, wait, collections
+        wait, collections, running = run_queue_wait_s(self.path), COLLECTIONS.total_s, time.thread_time()
+        pause = Pause(clock - self._last, wait - self._last_wait, collections - self._last_collections,
+                      running - self._last_running)
+        self._last, self._last_wait = clock, wait
+        self._last_collections, self._last_running = collections, running
         if count and pause.engine_s > self.longest.engine_s:
             self.longest = pause
         return pause
