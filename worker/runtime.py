@@ -61,10 +61,12 @@ class Runtime:
         load_adapters(generator, settings)
         client = settings.redis()
         warn_without_persistence(client)
+        metrics = WorkerMetrics(settings.metrics_tenants) if settings.metrics_port else None
         publisher = Publisher(client, settings.key_prefix, settings.stream_maxlen, settings.stream_ttl_s,
-                              final_ttl_s=settings.visibility_timeout_s + settings.stream_ttl_s)
+                              final_ttl_s=settings.visibility_timeout_s + settings.stream_ttl_s,
+                              usage_retention_s=settings.usage_retention_s,
+                              on_usage=metrics.count_usage if metrics else None)
         task_success.connect(partial(forget_final_record, publisher), weak=False)
-        metrics = WorkerMetrics() if settings.metrics_port else None
         log.info("warmed up the engine in %.2f s", generator.warmup())
         # What is alive now (model, Celery, imports) lives as long as the process: the collector's
         # full passes, which stop every thread (the engine loop too), need not walk it again.

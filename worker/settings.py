@@ -78,6 +78,12 @@ class Settings(ClientSettings):
                                               "max_grammar_size); a larger one fails its request alone")
     metrics_port: int | None = Field(default=None, ge=1, le=65535,
                                      description="serve Prometheus metrics at http://ADDRESS:PORT/metrics")
+    metrics_tenants: int = Field(default=20, ge=0, le=1000,
+                                 description="tenants with a `tenant` label of their own in the usage metrics "
+                                             "(the first seen); the others count under \"other\"")
+    usage_retention_s: int = Field(default=90 * 86400, ge=3600,
+                                   description="hourly usage counters (per tenant and API key) expire this long "
+                                               "after their last count")
     metrics_address: str = Field(default="0.0.0.0", description="address the metrics port binds")
     shutdown_grace_s: float = Field(default=30.0, ge=0,
                                     description="seconds a warm shutdown lets in-flight jobs finish "

@@ -87,11 +87,12 @@ async def _complete(gateway: Gateway, request: Request, body: CompletionRequest)
     identifier = f"cmpl-{uuid.uuid4().hex}"
     fields = routed(fields, target)
     limits = await target.cards.current()
-    generations = [await _checked(gateway, limits, body, {**fields, _prompt_field(prompt): prompt},
-                                  identifier if len(prompts) == 1 else f"{identifier}-{i}", i)
-                   for i, prompt in enumerate(prompts)]
+    checked = [await _checked(gateway, limits, body, {**fields, _prompt_field(prompt): prompt},
+                              identifier if len(prompts) == 1 else f"{identifier}-{i}", i)
+               for i, prompt in enumerate(prompts)]
     echo = await _echo(limits, body, prompts)
     await gateway.admit(target.route.queue)
+    generations = await gateway.tenancy.admit(request, [g for g, _ in checked], [tokens for _, tokens in checked])
     if body.stream:
         give_back = gateway.streams.take(identifier, sse.client_identity(request))
         try:
@@ -116,16 +117,14 @@ def _prompt_field(prompt: str | list[int]) -> str:
 
 
 async def _checked(gateway: Gateway, limits: ModelLimits | None, body: CompletionRequest, fields: dict[str, Any],
-                   identifier: str, index: int) -> GenerationRequest:
-    """Prompt `index`'s request, checked as a single prompt's is; a refusal names prompt[index]
-    when the prompt is a list."""
+                   identifier: str, index: int) -> tuple[GenerationRequest, int]:
+    """Prompt `index`'s request, checked as a single prompt's is, and its prompt tokens (0 without
+    a card); a refusal names prompt[index] when the prompt is a list."""
     names = body.param_names()
     if body.batched:
         names = {**names, "prompt": f"prompt[{index}]", "input_ids": f"prompt[{index}]"}
     generation = await parse_request(gateway.constraints, {**fields, "identifier": identifier}, status=400, names=names)
-    if limits is not None:
-        await check_request(limits, generation, status=400, names=names)
-    return generation
+    return generation, 0 if limits is None else await check_request(limits, generation, status=400, names=names)
 
 
 async def _echo(limits: ModelLimits | None, body: CompletionRequest, prompts: list[str | list[int]]) -> Echo:
