@@ -67,3 +67,19 @@ def test_an_unknown_key_is_refused_naming_what_to_send(unconsumed: tuple[TestCli
 def test_tenant_labels_are_the_first_n_tenants_and_other():
     label = TenantLabels(2)
     assert [label(t) for t in ("a", "b", "c", "a", "d", "b")] == ["a", "b", OTHER_TENANTS, "a", OTHER_TENANTS, "b"]
+
+
+def test_an_identifier_in_use_is_refused_before_admission_takes_a_slot(unconsumed: tuple[TestClient, str],
+                                                                       redis_client: redis.Redis):
+    """The 409 comes first, so the refused copy neither takes a slot nor frees the one its
+    identifier's running task holds."""
+    client, _ = unconsumed
+    _, key = KeyStore(redis_client, DEFAULT_KEY_PREFIX).create("dup", "d", KeyLimits(concurrent=2))
+    headers = {"Authorization": f"Bearer {key}"}
+    identifier = f"dup-{uuid.uuid4().hex[:8]}"
+    assert client.post("/v1/tasks", headers=headers, json={"prompt": "x", "identifier": identifier}).status_code == 202
+    again = client.post("/v1/tasks", headers=headers, json={"prompt": "x", "identifier": identifier})
+    assert again.status_code == 409 and again.json()["error"]["code"] == "identifier_in_use"
+    assert client.post("/v1/tasks", headers=headers, json={"prompt": "x"}).status_code == 202
+    refused = client.post("/v1/tasks", headers=headers, json={"prompt": "x"})
+    assert refused.status_code == 429 and "2 tasks at once" in refused.json()["error"]["message"]

@@ -108,7 +108,7 @@ class TenantLabels:
 class WorkerMetrics:
     """The worker's registry: the engine collector, latency histograms and usage per tenant."""
 
-    def __init__(self, tenant_labels: int = 20) -> None:
+    def __init__(self, tenant_labels: int) -> None:
         self.registry = CollectorRegistry()
         self.tenant_label = TenantLabels(tenant_labels)
         self.tenant_tokens = Counter("genq_tenant_tokens", "Tokens of finished tasks by tenant and kind (prompt, "

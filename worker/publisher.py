@@ -48,7 +48,7 @@ from producer.protocol import (
     final_key,
     stream_key,
 )
-from producer.tenants.settle import SETTLE, Refund, Settlement, hour_of
+from producer.tenants.settle import DEFAULT_USAGE_RETENTION_S, SETTLE, Refund, Settlement, hour_of
 from worker.redelivery import with_redis_retries
 from worker.thread_names import name_this_thread
 
@@ -59,7 +59,7 @@ EXPIRY_REFRESH_EVENTS = 64
 
 class Publisher:
     def __init__(self, client: redis.Redis, key_prefix: str, stream_maxlen: int, stream_ttl_s: int,
-                 final_ttl_s: int | None = None, usage_retention_s: int = 90 * 86400,
+                 final_ttl_s: int | None = None, usage_retention_s: int = DEFAULT_USAGE_RETENTION_S,
                  on_usage: Callable[[str, Usage], None] | None = None) -> None:
         self.client = client
         self.usage_retention_s = usage_retention_s

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE
 from producer.routing import route_queue
 from producer.settings import ClientSettings
+from producer.tenants.settle import DEFAULT_USAGE_RETENTION_S
 
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
@@ -81,7 +82,7 @@ class Settings(ClientSettings):
     metrics_tenants: int = Field(default=20, ge=0, le=1000,
                                  description="tenants with a `tenant` label of their own in the usage metrics "
                                              "(the first seen); the others count under \"other\"")
-    usage_retention_s: int = Field(default=90 * 86400, ge=3600,
+    usage_retention_s: int = Field(default=DEFAULT_USAGE_RETENTION_S, ge=3600,
                                    description="hourly usage counters (per tenant and API key) expire this long "
                                                "after their last count")
     metrics_address: str = Field(default="0.0.0.0", description="address the metrics port binds")

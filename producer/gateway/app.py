@@ -367,13 +367,13 @@ async def _accept(gateway: Gateway, request: Request, body: bytes) -> TaskAccept
             raise ApiError(422, "invalid_image", str(error), param=error.param) from None
     await gateway.admit(target.route.queue)
     identifier = generation.identifier or str(uuid.uuid4())
-    generation, = await gateway.tenancy.admit(request, [generation.model_copy(update={"identifier": identifier})],
-                                              [prompt_tokens])
+    nonce = await gateway.records.claim(identifier)  # first: admission's reservation is named by the identifier
     try:
-        nonce = await gateway.records.claim(identifier)
+        generation, = await gateway.tenancy.admit(request, [generation.model_copy(update={"identifier": identifier})],
+                                                  [prompt_tokens])
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await gateway.tenancy.release(request, [identifier])
+            await gateway.records.release(identifier, nonce)
         raise
     try:
         await gateway.send(generation, identifier, callback_url, target.route.queue)

@@ -96,13 +96,13 @@ async def _complete(gateway: Gateway, request: Request, body: CompletionRequest)
     if body.stream:
         give_back = gateway.streams.take(identifier, sse.client_identity(request))
         try:
-            handles = await _submit(gateway, generations, target.route.queue)
+            handles = await _submit(gateway, request, generations, target.route.queue)
         except BaseException:
             give_back()
             raise
         chunks = _stream(gateway, handles, identifier, body, echo)
         return sse.EventStream(chunks, give_back)
-    handles = await _submit(gateway, generations, target.route.queue)
+    handles = await _submit(gateway, request, generations, target.route.queue)
     results = await _results(gateway, request, handles)
     if results is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -154,17 +154,19 @@ def _decode(tokenizer: PromptTokenizer | None, tokens: list[int]) -> str:
     return tokenizer.backend.decode(tokens, skip_special_tokens=False)
 
 
-async def _submit(gateway: Gateway, generations: list[GenerationRequest], queue: str
+async def _submit(gateway: Gateway, request: Request, generations: list[GenerationRequest], queue: str
                   ) -> list[AsyncGenerationHandle]:
     """Every prompt's task to the model's queue, over one broker connection; should sending fail
-    part way, the tasks already sent are cancelled."""
+    part way, the tasks already sent are cancelled, and what an API key's admission reserved for
+    them is given back."""
     try:
         return await gateway.client.submit_many(generations, queue=queue)
     except BaseException:
         with anyio.CancelScope(shield=True):
-            for generation in generations:
-                assert generation.identifier is not None
-                await gateway.client.cancel(generation.identifier)
+            identifiers = [generation.identifier for generation in generations if generation.identifier is not None]
+            for identifier in identifiers:
+                await gateway.client.cancel(identifier)
+            await gateway.tenancy.release(request, identifiers)
         raise
 
 

@@ -17,7 +17,7 @@ from producer.gateway.settings import GatewaySettings
 from producer.protocol import GenerationRequest
 from producer.tenants.admission import Admission, Verdict
 from producer.tenants.keys import ApiKey
-from producer.tenants.settle import SETTLE, Refund, Settlement, hour_of
+from producer.tenants.settle import SETTLE, Refund, Settlement
 
 _HEADERS_STATE = "ratelimit_headers"
 
@@ -51,10 +51,10 @@ class Tenancy:
         """Give back what admission reserved for tasks that were never enqueued."""
         if caller_of(request).key is None:
             return
-        hour = hour_of(0)
         for identifier in identifiers:
+            # Without usage nothing is counted: the hour and the counters' lifetimes go unused.
             settlement = Settlement(identifier, None, None, Refund.ALL)
-            await self._settle(keys=settlement.keys(self.prefix, hour), args=settlement.args(hour, 1, 1))
+            await self._settle(keys=settlement.keys(self.prefix, 0), args=settlement.args(0, 1, 1))
 
 
 def _as_tenant(key: ApiKey, generation: GenerationRequest) -> GenerationRequest:

@@ -69,7 +69,7 @@ class ApiKey:
     def to_public(self) -> dict[str, object]:
         """The record as `genq keys list` shows it (never the digest)."""
         return {"id": self.id, "tenant": self.tenant, "name": self.name, "created": self.created,
-                "revoked": self.revoked, **{k: v for k, v in asdict(self.limits).items()}}
+                "revoked": self.revoked, **asdict(self.limits)}
 
 
 def digest(key: str) -> str:

@@ -9,7 +9,11 @@ cached_tokens and requests, and expires `retention_s` after its last count. A ma
 the count happen once per task identifier even when Redis applied a pipeline whose reply was lost
 and the worker sends it again. Only tasks that end with a result count (done, length, cancelled,
 expired); a failed task counts no usage and keeps the tokens it reserved (no refund), but frees
-its slot."""
+its slot.
+
+SETTLE reads the names of the key's bucket, running set and usage stem from the reservation
+record, where the gateway wrote them (keys a script does not receive in KEYS): genq's Redis is
+one server (or a Sentinel-managed primary), never a Cluster."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from producer.protocol import Usage
 from producer.tenants.names import DEFAULT_TENANT, counted, hourly, reservation, tenant_usage, tenants_used
 
 HOUR_S = 3600
+DEFAULT_USAGE_RETENTION_S = 90 * 86400
+"""How long an hour's usage hash lives after its last count (the worker's GENQ_USAGE_RETENTION_S)."""
 
 
 class Refund(Enum):
