@@ -205,3 +205,17 @@ def test_usage_counters_equal_the_tasks_own_usage(gateways: list[str], store: Ke
     assert lines['genq_tenant_requests_total{tenant="usage"}'] == len(ids)
     assert lines['genq_tenant_tokens_total{kind="completion",tenant="usage"}'] == expected["completion_tokens"]
     assert lines['genq_tenant_tokens_total{kind="prompt",tenant="usage"}'] == expected["prompt_tokens"]
+
+
+def test_a_streamed_answer_carries_the_rate_limit_headers(gateways: list[str], store: KeyStore):
+    _, key = store.create("streamed", "s", KeyLimits(rpm=50, tpm=100_000))
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{gateways[1]}/v1/chat/completions", json=body, headers=bearer(key),
+                      timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert (response.headers["x-ratelimit-limit-requests"], response.headers["x-ratelimit-remaining-requests"]) \
+            == ("50", "49")
+        assert response.headers["x-ratelimit-limit-tokens"] == "100000"
+        assert int(response.headers["x-ratelimit-remaining-tokens"]) < 100_000 - 3
+        assert "data: [DONE]" in response.read().decode()

@@ -7,10 +7,10 @@ the same figures as `celery inspect engine_stats` and Flower. Latency
 histograms are observed by the engine loop as each request finishes.
 
 Usage per tenant (issue 29) is counted when the publisher has counted a task's usage in Redis
-(worker/publisher.py), under a `tenant` label of bounded cardinality: the first
-`metrics_tenants` tenants this worker counts keep their own label, every later one counts under
-"other" (a series never changes label, so counters stay monotonic; Redis holds the exact
-per-tenant figures, GET /v1/usage).
+(worker/publisher.py), under a `tenant` label of bounded cardinality: `metrics_tenants` tenants
+keep their own label (the top tenants by tokens over the last day when the worker started, then
+the first new ones it counts), every other one counts under "other" (a series never changes
+label, so counters stay monotonic; Redis holds the exact per-tenant figures, GET /v1/usage).
 """
 
 from __future__ import annotations
@@ -90,11 +90,12 @@ class EngineCollector:
 
 
 class TenantLabels:
-    """A tenant's label: its name for the first `limit` tenants seen, else OTHER_TENANTS."""
+    """A tenant's label: its name for `limit` tenants (those of `first`, then the first seen),
+    else OTHER_TENANTS."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, first: list[str] | None = None) -> None:
         self.limit = limit
-        self._named: set[str] = set()
+        self._named: set[str] = set((first or [])[:limit])
 
     def __call__(self, tenant: str) -> str:
         if tenant in self._named:
@@ -108,9 +109,10 @@ class TenantLabels:
 class WorkerMetrics:
     """The worker's registry: the engine collector, latency histograms and usage per tenant."""
 
-    def __init__(self, tenant_labels: int) -> None:
+    def __init__(self, tenant_labels: int, top_tenants: list[str] | None = None) -> None:
+        """top_tenants: who gets the tenant labels first (producer/tenants/ranking.py)."""
         self.registry = CollectorRegistry()
-        self.tenant_label = TenantLabels(tenant_labels)
+        self.tenant_label = TenantLabels(tenant_labels, top_tenants)
         self.tenant_tokens = Counter("genq_tenant_tokens", "Tokens of finished tasks by tenant and kind (prompt, "
                                      "completion, cached)", ["tenant", "kind"], registry=self.registry)
         self.tenant_requests = Counter("genq_tenant_requests", "Tasks finished with a result, by tenant",

@@ -81,7 +81,8 @@ class Settings(ClientSettings):
                                      description="serve Prometheus metrics at http://ADDRESS:PORT/metrics")
     metrics_tenants: int = Field(default=20, ge=0, le=1000,
                                  description="tenants with a `tenant` label of their own in the usage metrics "
-                                             "(the first seen); the others count under \"other\"")
+                                             "(the top ones by tokens over the last day at start, then the "
+                                             "first new ones); the others count under \"other\"")
     usage_retention_s: int = Field(default=DEFAULT_USAGE_RETENTION_S, ge=3600,
                                    description="hourly usage counters (per tenant and API key) expire this long "
                                                "after their last count")
