@@ -53,7 +53,7 @@ class KeyLimits:
                 raise KeyProblem(f"{name}: must be at least 1 (leave it out for no limit), got {value}")
         if self.max_priority is not None and not MIN_PRIORITY <= self.max_priority <= MAX_PRIORITY:
             raise KeyProblem(f"max_priority: must lie in [{MIN_PRIORITY}, {MAX_PRIORITY}] (0 is served first), "
-                            f"got {self.max_priority}")
+                             f"got {self.max_priority}")
 
 
 @dataclass(frozen=True, slots=True)
