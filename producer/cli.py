@@ -1,4 +1,4 @@
-"""`genq submit | stream | cancel | result`: the producer side of the command line.
+"""`genq submit | stream | cancel | result | adapters | keys`: the producer side of the command line.
 
 worker/cli.py defines the options and explains the exit codes (EXIT_* below) in each
 command's --help; it imports this module only when one of these commands runs, so they
@@ -22,6 +22,7 @@ from kombu.utils.url import maybe_sanitize_url
 
 from producer.client import GenerationError, GenerationHandle, GenqClient, StreamRestarted, TextAssembler
 from producer.protocol import MAX_IMAGE_BYTES, GenerationResult, ProtocolError, StreamEvent, grammar_syntax
+from producer.tenants.keys import KeyLimits, KeyProblem, KeyStore
 
 EXIT_DONE = 0
 EXIT_FAILED = 1
@@ -52,13 +53,13 @@ class UsageError(Exception):
 def run(args: argparse.Namespace) -> int:
     """Run `genq {args.command}` with a client, turning the failures every command shares into exit codes."""
     command = {"submit": _submit, "stream": _stream, "cancel": _cancel, "result": _result,
-               "adapters": _adapters}[args.command]
+               "adapters": _adapters, "keys": _keys}[args.command]
     url = args.redis_url
     try:
         with GenqClient(redis_url=url, queue=getattr(args, "queue", None)) as client:
             url = client.settings.redis_url
             return command(client, args)
-    except (ProtocolError, UsageError) as error:
+    except (ProtocolError, UsageError, KeyProblem) as error:
         _say(f"error: {error}")
         return EXIT_USAGE
     except GenerationError as error:
@@ -123,6 +124,29 @@ def _adapters(client: GenqClient, args: argparse.Namespace) -> int:
     else:
         client.unload_adapter(args.name)
         _say(f"unload of adapter {args.name} sent to the workers of queue {client.settings.queue}")
+    return EXIT_DONE
+
+
+def _keys(client: GenqClient, args: argparse.Namespace) -> int:
+    """API keys: the key itself goes to stdout once (create, rotate), everything else to stderr
+    or, for list, one JSON object a line."""
+    store = KeyStore(client.redis, client.settings.key_prefix)
+    if args.action == "create":
+        limits = KeyLimits(rpm=args.rpm, tpm=args.tpm, concurrent=args.concurrent, max_priority=args.max_priority)
+        record, secret = store.create(args.tenant, args.name or "", limits)
+        _say(f"created API key {record.id} of tenant {record.tenant}; the key is shown this once:")
+        print(secret, flush=True)
+    elif args.action == "list":
+        for record in store.list():
+            print(json.dumps(record.to_public()), flush=True)
+    elif args.action == "rotate":
+        record, secret = store.rotate(args.id)
+        _say(f"rotated API key {record.id} of tenant {record.tenant}: the old key is refused from now on; "
+             f"the new one is shown this once:")
+        print(secret, flush=True)
+    else:
+        record = store.revoke(args.id)
+        _say(f"revoked API key {record.id} of tenant {record.tenant}: every gateway refuses it from now on")
     return EXIT_DONE
 
 

@@ -416,7 +416,7 @@ def documented_genq_keys() -> list[re.Pattern[str]]:
     assert len(names) >= 9, names
     identifier = IDENTIFIER_PATTERN.strip("^$")
     parts = {"{prefix}": "genq", "{id}": identifier, "{task id}": identifier, "{queue}": identifier,
-             "{digest}": "[0-9A-Za-z_-]+"}
+             "{digest}": "[0-9A-Za-z_-]+", "{key id}": "[0-9a-f]{16}", "{tenant}": identifier, "{hour}": "[0-9]+"}
     patterns = []
     for name in names:
         pattern = re.escape(name)

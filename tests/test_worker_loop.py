@@ -96,12 +96,15 @@ class StandInPublisher:
     def __init__(self) -> None:
         self.events: list[StreamEvent] = []
         self.finals: dict[str, dict[str, Any]] = {}
+        self.tenants: dict[str, str | None] = {}
         self._lock = threading.Lock()
 
-    def publish(self, events: list[StreamEvent], finals: dict[str, str] | None = None) -> None:
+    def publish(self, events: list[StreamEvent], finals: dict[str, str] | None = None,
+                tenants: dict[str, str | None] | None = None) -> None:
         with self._lock:
             self.events.extend(events)
             self.finals.update({task_id: json.loads(result) for task_id, result in (finals or {}).items()})
+            self.tenants.update(tenants or {})
 
     def kinds(self, identifier: str) -> list[str]:
         with self._lock:
@@ -127,8 +130,9 @@ def loop(generator: StandInGenerator, publisher: StandInPublisher) -> Iterator[E
 
 
 def submission(identifier: str, max_new_tokens: int = 3, n: int = 1, task_id: str | None = None,
-               deadline: float | None = None, cancel_requested: bool = False) -> Submission:
-    request = GenerationRequest.parse_payload({"prompt": "x", "n": n, "max_new_tokens": max_new_tokens})
+               deadline: float | None = None, cancel_requested: bool = False, tenant: str | None = None) -> Submission:
+    request = GenerationRequest.parse_payload({"prompt": "x", "n": n, "max_new_tokens": max_new_tokens,
+                                               "tenant": tenant})
     job = Job([1, 2, 3], max_new_tokens, identifier=identifier)
     jobs = job.samples(n) if n > 1 else [job]
     return Submission(identifier, 1, jobs, request, deadline, task_id or f"task-{identifier}", cancel_requested)
@@ -167,6 +171,14 @@ def test_a_request_runs_to_its_end_and_its_result_is_published_with_its_final_ev
     assert publisher.finals["task-a"] == result(s).to_dict()
     assert (loop.counters.submitted, loop.counters.completed, loop.counters.failed) == (1, 1, 0)
     assert loop.active_identifiers() == []
+
+
+def test_the_final_event_goes_out_with_its_requests_tenant(loop: EngineLoop, publisher: StandInPublisher):
+    """The publisher counts the task's usage under it in the final event's pipeline (issue 29)."""
+    run(loop, submission("a", tenant="acme"))
+    run(loop, submission("b", cancel_requested=True, tenant="beta"))
+    run(loop, submission("c"))
+    assert publisher.tenants == {"a": "acme", "b": "beta", "c": None}
 
 
 def test_a_cancel_stops_a_running_request(loop: EngineLoop, generator: StandInGenerator,

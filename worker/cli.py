@@ -268,7 +268,8 @@ def _producer_command(args: argparse.Namespace) -> int:
 
 
 def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
-    """submit, stream, cancel, result, adapters: what a backend script needs, through the client library."""
+    """submit, stream, cancel, result, adapters, keys: what a backend script (or its operator) needs, through
+    the client library."""
 
     def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         parser = commands.add_parser(name, help=summary, description=description, epilog=PRODUCER_EXIT_CODES,
@@ -357,6 +358,33 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
     load.add_argument("path", help="the PEFT adapter directory, on the workers' machines")
     unload = action.add_parser("unload", help="unload NAME")
     unload.add_argument("name", help="the adapter's name")
+
+    keys = add("keys", "create, list, rotate or revoke the gateway's API keys (tenants)",
+               "Manage the API keys the gateway accepts besides GENQ_GATEWAY_TOKEN (docs/gateway.md, Tenants and API "
+               "keys). Each key belongs to a tenant: its requests run and are counted as that tenant's, within the "
+               "key's limits (per key; left out: unlimited), and it sees only its tenant's tasks. A key is shown "
+               "once, by create and rotate; Redis keeps only its SHA-256. Revoking or rotating takes effect at the "
+               "next request on every gateway.")
+    key_action = keys.add_subparsers(dest="action", required=True)
+    create = key_action.add_parser("create", help="a new key of a tenant; prints the key (once) on stdout")
+    create.add_argument("--tenant", required=True, help="the tenant the key's requests count under (the identifier "
+                                                        "rule: letters, digits, '_.:-', at most 128)")
+    create.add_argument("--name", help="a label for the operator (`keys list` shows it)")
+    create.add_argument("--rpm", type=int, metavar="N", help="at most N requests in any 60 s (429 past it)")
+    create.add_argument("--tpm", type=int, metavar="N",
+                        help="tokens per minute: a request reserves its prompt tokens + n * max tokens at admission "
+                             "(429 when the bucket lacks them); what the task did not use is given back at its end")
+    create.add_argument("--concurrent", type=int, metavar="N", help="at most N of the key's tasks queued or "
+                                                                    "running at once (429 past it)")
+    create.add_argument("--max-priority", type=int, metavar="P",
+                        help="the best priority (0 is served first, 9 last) the key's requests get: a better or no "
+                             "priority is clamped to P")
+    key_action.add_parser("list", help="every key's record as one JSON object a line (never the key itself)")
+    rotate = key_action.add_parser("rotate", help="a new key for ID (same tenant, limits and usage); the old key "
+                                                  "stops working at once")
+    rotate.add_argument("id", help="the key's id (`keys list`)")
+    revoke = key_action.add_parser("revoke", help="refuse ID from now on (its record and usage stay)")
+    revoke.add_argument("id", help="the key's id (`keys list`)")
 
     result = add("result", "print a request's result", "Print the result of a request from the result backend.")
     result.add_argument("id", help="the request identifier")

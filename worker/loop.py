@@ -445,12 +445,19 @@ class EngineLoop:
         self.publishing.submit(partial(_with_results, events, []), then=partial(_wake, failed))
 
 
-def _with_results(events: list[StreamEvent], finished: list[Submission]) -> tuple[list[StreamEvent], dict[str, str]]:
-    """A step's events, and the results (task id -> JSON) of the finished tasks that have one."""
-    return events, {s.task_id: json.dumps(s.result.to_dict()) for s in finished if s.result is not None and s.task_id}
+def _with_results(events: list[StreamEvent], finished: list[Submission]
+                  ) -> tuple[list[StreamEvent], dict[str, str], dict[str, str | None]]:
+    """A step's events, the results (task id -> JSON) of the finished tasks that have one, and
+    the finished requests' tenants (their usage is counted as the events go out)."""
+    return (events, {s.task_id: json.dumps(s.result.to_dict()) for s in finished if s.result is not None and s.task_id},
+            _tenants(finished))
 
 
-def _endings(concluded: list[Concluded]) -> tuple[list[StreamEvent], dict[str, str]]:
+def _tenants(submissions: list[Submission]) -> dict[str, str | None]:
+    return {s.identifier: s.request.tenant for s in submissions}
+
+
+def _endings(concluded: list[Concluded]) -> tuple[list[StreamEvent], dict[str, str], dict[str, str | None]]:
     """On the finishing thread: the concluded requests' final events, and their results (task
     id -> JSON), each built and encoded in one paced turn."""
     events, finals = [], {}
@@ -461,7 +468,7 @@ def _endings(concluded: list[Concluded]) -> tuple[list[StreamEvent], dict[str, s
             if c.submission.task_id:
                 finals[c.submission.task_id] = dumps_paced(ending.result.to_dict(), pace)
         events.append(ending.event)
-    return events, finals
+    return events, finals, _tenants([c.submission for c in concluded])
 
 
 def _wake(submissions: list[Submission]) -> None:

@@ -5,6 +5,12 @@ Gauges and counters are read from the engine loop's stats at scrape time (the
 engine already counts them; nothing is counted twice), so a scrape always sees
 the same figures as `celery inspect engine_stats` and Flower. Latency
 histograms are observed by the engine loop as each request finishes.
+
+Usage per tenant (issue 29) is counted when the publisher has counted a task's usage in Redis
+(worker/publisher.py), under a `tenant` label of bounded cardinality: `metrics_tenants` tenants
+keep their own label (the top tenants by tokens over the last day when the worker started, then
+the first new ones it counts), every other one counts under "other" (a series never changes
+label, so counters stay monotonic; Redis holds the exact per-tenant figures, GET /v1/usage).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from producer.protocol import Timings, Usage
@@ -21,6 +27,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 OUTCOMES = ("completed", "failed", "cancelled", "expired", "requeued")
 #: What the names of the engine's lines in a worker's `celery inspect stats` (Flower's "Other" tab) begin with.
 STATS_PREFIX = "genq "
+OTHER_TENANTS = "other"
 
 
 def readable_stats(s: Mapping[str, Any] | None, rate_window_s: float) -> dict[str, str]:
@@ -82,11 +89,34 @@ class EngineCollector:
         yield requests
 
 
-class WorkerMetrics:
-    """The worker's registry: the engine collector plus latency histograms."""
+class TenantLabels:
+    """A tenant's label: its name for `limit` tenants (those of `first`, then the first seen),
+    else OTHER_TENANTS."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int, first: list[str] | None = None) -> None:
+        self.limit = limit
+        self._named: set[str] = set((first or [])[:limit])
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._named:
+            return tenant
+        if len(self._named) < self.limit:
+            self._named.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
+
+class WorkerMetrics:
+    """The worker's registry: the engine collector, latency histograms and usage per tenant."""
+
+    def __init__(self, tenant_labels: int, top_tenants: list[str] | None = None) -> None:
+        """top_tenants: who gets the tenant labels first (producer/tenants/ranking.py)."""
         self.registry = CollectorRegistry()
+        self.tenant_label = TenantLabels(tenant_labels, top_tenants)
+        self.tenant_tokens = Counter("genq_tenant_tokens", "Tokens of finished tasks by tenant and kind (prompt, "
+                                     "completion, cached)", ["tenant", "kind"], registry=self.registry)
+        self.tenant_requests = Counter("genq_tenant_requests", "Tasks finished with a result, by tenant",
+                                       ["tenant"], registry=self.registry)
 
         def histogram(name: str, documentation: str) -> Histogram:
             return Histogram(name, documentation, registry=self.registry, buckets=LATENCY_BUCKETS_S)
@@ -107,6 +137,14 @@ class WorkerMetrics:
         if usage.completion_tokens > 1:
             self.itl.observe(timings.generate_s / (usage.completion_tokens - 1))
         self.e2e.observe(timings.queued_s + timings.prefill_s + timings.generate_s)
+
+    def count_usage(self, tenant: str, usage: Usage) -> None:
+        """One task's usage, counted once in Redis (the publisher's on_usage)."""
+        label = self.tenant_label(tenant)
+        self.tenant_tokens.labels(label, "prompt").inc(usage.prompt_tokens)
+        self.tenant_tokens.labels(label, "completion").inc(usage.completion_tokens)
+        self.tenant_tokens.labels(label, "cached").inc(usage.cached_tokens)
+        self.tenant_requests.labels(label).inc()
 
     def serve(self, port: int, address: str) -> None:
         start_http_server(port, addr=address, registry=self.registry)

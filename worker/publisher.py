@@ -19,7 +19,12 @@ The same pipeline records each finished task's result under
 Celery stored the result leaves a redelivered message, and the next worker
 answers it from this record instead of generating (and streaming) it again.
 Once Celery has stored the result the record is deleted (forget_final): the
-result backend is the one stored copy of a result."""
+result backend is the one stored copy of a result.
+
+Each terminal event also settles its task in that pipeline (producer/tenants/settle.py): its
+usage, the final event's own, counted once under its tenant (and its API key, if a gateway
+admitted it with one) in the hourly usage hashes, and what its admission reserved given back.
+`on_usage(tenant, usage)` then sees each task counted (the Prometheus counters)."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,12 +41,14 @@ import redis
 from producer.protocol import (
     STREAM_FIELD,
     StreamEvent,
+    Usage,
     attempt_key,
     cancel_key,
     channel_name,
     final_key,
     stream_key,
 )
+from producer.tenants.settle import DEFAULT_USAGE_RETENTION_S, SETTLE, Refund, Settlement, hour_of
 from worker.redelivery import with_redis_retries
 from worker.thread_names import name_this_thread
 
@@ -51,18 +59,26 @@ EXPIRY_REFRESH_EVENTS = 64
 
 class Publisher:
     def __init__(self, client: redis.Redis, key_prefix: str, stream_maxlen: int, stream_ttl_s: int,
-                 final_ttl_s: int | None = None) -> None:
+                 final_ttl_s: int | None = None, usage_retention_s: int = DEFAULT_USAGE_RETENTION_S,
+                 on_usage: Callable[[str, Usage], None] | None = None) -> None:
         self.client = client
+        self.usage_retention_s = usage_retention_s
+        self.on_usage = on_usage
+        self._settle = client.register_script(SETTLE)
         self.final_ttl_s = final_ttl_s or stream_ttl_s
         self.key_prefix = key_prefix
         self.stream_maxlen = stream_maxlen
         self.stream_ttl_s = stream_ttl_s
 
-    def publish(self, events: Sequence[StreamEvent], finals: Mapping[str, str] | None = None) -> None:
-        """events, and finals: task id -> its result as JSON."""
+    def publish(self, events: Sequence[StreamEvent], finals: Mapping[str, str] | None = None,
+                tenants: Mapping[str, str | None] | None = None) -> None:
+        """events, finals: task id -> its result as JSON, and tenants: request identifier -> the
+        tenant its usage counts under (absent or None: the default tenant)."""
         if not events and not finals:
             return
         pipe = self.client.pipeline(transaction=False)
+        hour = hour_of(time.time())
+        settled: dict[int, tuple[Settlement, list[str], list[str | int]]] = {}
         for event in events:
             payload = event.to_json()
             key = stream_key(event.id, self.key_prefix)
@@ -77,11 +93,26 @@ class Publisher:
             if event.event == "started" or event.is_terminal or event.seq % EXPIRY_REFRESH_EVENTS == 0:
                 pipe.expire(key, self.stream_ttl_s)
                 pipe.expire(attempt_key(event.id, self.key_prefix), self.stream_ttl_s)
+            if event.is_terminal:
+                settlement = _settlement(event, (tenants or {}).get(event.id))
+                keys = settlement.keys(self.key_prefix, hour)
+                args = settlement.args(hour, self.usage_retention_s, self.stream_ttl_s)
+                settled[len(pipe)] = (settlement, keys, args)
+                self._settle(keys=keys, args=args, client=pipe)
         for task_id, result in (finals or {}).items():
             pipe.set(final_key(task_id, self.key_prefix), result, ex=self.final_ttl_s)
-        for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, redis.ResponseError) and not _already_added(reply):
+        replies = pipe.execute(raise_on_error=False)
+        for index, reply in enumerate(replies):
+            if isinstance(reply, redis.exceptions.NoScriptError) and index in settled:
+                # Redis restarted between the pipeline loading the script and running it: once
+                # more on its own (the call loads the script again).
+                _, keys, args = settled[index]
+                replies[index] = self._settle(keys=keys, args=args)
+            elif isinstance(reply, redis.ResponseError) and not _already_added(reply):
                 raise reply
+        for index, (settlement, _, _) in settled.items():
+            if replies[index] == 1 and settlement.usage is not None and self.on_usage is not None:
+                self.on_usage(settlement.tenant_name, settlement.usage)
 
     def final_result(self, task_id: str) -> dict[str, Any] | None:
         """The result this task's final event was published with, if any."""
@@ -109,13 +140,22 @@ class Publisher:
         return int(attempt), bool(cancelled)
 
 
+def _settlement(event: StreamEvent, tenant: str | None) -> Settlement:
+    """A terminal event's: one with a result (not `error`) counts its usage and refunds the
+    tokens it did not use; a failure counts nothing and keeps its reservation charged."""
+    if event.event == "error" or event.usage is None:
+        return Settlement(event.id, tenant, None, Refund.NONE)
+    return Settlement(event.id, tenant, event.usage, Refund.UNUSED)
+
+
 def _already_added(error: redis.ResponseError) -> bool:
     """XADD's refusal of an explicit ID at or below the stream's last entry."""
     return "equal or smaller than the target stream top item" in str(error)
 
 
-Step = Callable[[], tuple[list[StreamEvent], dict[str, str]]]
-"""Builds a step's events and finals (task id -> result JSON), on the publishing thread."""
+Step = Callable[[], tuple[list[StreamEvent], dict[str, str], dict[str, str | None]]]
+"""Builds a step's events, finals (task id -> result JSON) and the tenants of the requests that
+ended (identifier -> tenant), on the publishing thread."""
 
 
 class PublishingThread:
@@ -143,18 +183,19 @@ class PublishingThread:
         while (item := self._queue.get()) is not None:
             step, then = item
             try:
-                events, finals = step()
-                self._publish_with_retries(events, finals)
+                events, finals, tenants = step()
+                self._publish_with_retries(events, finals, tenants)
             except Exception:  # noqa: BLE001 - the thread must outlive one bad step, or every later one hangs
                 log.exception("could not build or publish a step's events")
             finally:
                 then()
 
-    def _publish_with_retries(self, events: list[StreamEvent], finals: dict[str, str]) -> None:
+    def _publish_with_retries(self, events: list[StreamEvent], finals: dict[str, str],
+                              tenants: dict[str, str | None]) -> None:
         """A lost step would leave readers without their events (maybe the
         final one), so a restarting Redis is waited for (with backoff) before giving up."""
         try:
-            with_redis_retries(lambda: self.publisher.publish(events, finals),
+            with_redis_retries(lambda: self.publisher.publish(events, finals, tenants),
                                f"publishing {len(events)} stream events")
         except redis.RedisError:
             log.exception("gave up publishing %d stream events", len(events))

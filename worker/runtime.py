@@ -20,6 +20,7 @@ from engine import Generator
 from engine.errors import AdapterLoadError
 from engine.progress import LoadProgress
 from producer.protocol import TASK_NAME
+from producer.tenants.ranking import top_tenants
 from worker.control import ControlListener
 from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
@@ -61,10 +62,16 @@ class Runtime:
         load_adapters(generator, settings)
         client = settings.redis()
         warn_without_persistence(client)
+        metrics = None
+        if settings.metrics_port:
+            # The tenants with the most tokens over the last day get the metrics' tenant labels first.
+            metrics = WorkerMetrics(settings.metrics_tenants,
+                                    top_tenants(client, settings.key_prefix, settings.metrics_tenants, hours=24))
         publisher = Publisher(client, settings.key_prefix, settings.stream_maxlen, settings.stream_ttl_s,
-                              final_ttl_s=settings.visibility_timeout_s + settings.stream_ttl_s)
+                              final_ttl_s=settings.visibility_timeout_s + settings.stream_ttl_s,
+                              usage_retention_s=settings.usage_retention_s,
+                              on_usage=metrics.count_usage if metrics else None)
         task_success.connect(partial(forget_final_record, publisher), weak=False)
-        metrics = WorkerMetrics() if settings.metrics_port else None
         log.info("warmed up the engine in %.2f s", generator.warmup())
         # What is alive now (model, Celery, imports) lives as long as the process: the collector's
         # full passes, which stop every thread (the engine loop too), need not walk it again.

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE
 from producer.routing import route_queue
 from producer.settings import ClientSettings
+from producer.tenants.settle import DEFAULT_USAGE_RETENTION_S
 
 if TYPE_CHECKING:
     from engine.engine_config import EngineConfig
@@ -78,6 +79,13 @@ class Settings(ClientSettings):
                                               "max_grammar_size); a larger one fails its request alone")
     metrics_port: int | None = Field(default=None, ge=1, le=65535,
                                      description="serve Prometheus metrics at http://ADDRESS:PORT/metrics")
+    metrics_tenants: int = Field(default=20, ge=0, le=1000,
+                                 description="tenants with a `tenant` label of their own in the usage metrics "
+                                             "(the top ones by tokens over the last day at start, then the "
+                                             "first new ones); the others count under \"other\"")
+    usage_retention_s: int = Field(default=DEFAULT_USAGE_RETENTION_S, ge=3600,
+                                   description="hourly usage counters (per tenant and API key) expire this long "
+                                               "after their last count")
     metrics_address: str = Field(default="0.0.0.0", description="address the metrics port binds")
     shutdown_grace_s: float = Field(default=30.0, ge=0,
                                     description="seconds a warm shutdown lets in-flight jobs finish "

@@ -10,6 +10,9 @@ this task?" can be answered from the id alone. When the gateway accepts a task i
   with the same identifier is refused with 409, whoever sends it. An identifier that the
   service already knows without a record (a worker has started it: its attempt counter, replay
   stream or Celery state exists; a task sent straight to Celery) is refused the same way.
+- A task created with an API key also has an owner, `names.task_tenant`, written by its
+  admission (producer/tenants/admission.py) for every endpoint alike: the tenant whose keys may
+  read and cancel it (producer/gateway/auth.py).
 - The task's access token is HMAC(webhook secret, id + nonce) (producer.signing): it cannot be
   computed without the nonce, which only the 202 answer reveals (as part of the token) and only
   Redis keeps, and it stops working when the record expires.
@@ -25,6 +28,7 @@ from celery import states
 from producer.client import AsyncGenqClient
 from producer.gateway.errors import ApiError
 from producer.protocol import attempt_key, stream_key
+from producer.tenants.names import decoded, task_tenant
 
 NONCE_BYTES = 16
 _RELEASE = """
@@ -70,6 +74,11 @@ class TaskRecords:
     async def nonce(self, identifier: str) -> str | None:
         value = await self.redis.get(task_record_key(identifier, self.prefix))
         return value.decode() if isinstance(value, bytes) else value
+
+    async def owner(self, identifier: str) -> str | None:
+        """The tenant whose API key created the task; None for the admin's tasks and unknown ones."""
+        value = await self.redis.get(task_tenant(self.prefix, identifier))
+        return None if value is None else decoded(value)
 
     async def _known_to_the_service(self, identifier: str) -> bool:
         """Traces of a task this gateway did not accept: a worker started it (attempt counter,

@@ -79,7 +79,9 @@ from producer.gateway.prompt_gate import PromptGate
 from producer.gateway.settings import GatewaySettings
 from producer.gateway.submission import parse_request, resuming, routed
 from producer.gateway.subscriptions import FellBehind, SubscriptionHub
+from producer.gateway.tenancy import RateLimitHeaders, Tenancy
 from producer.gateway.tokens import tokens_router
+from producer.gateway.usage import usage_router
 from producer.model_routes import ModelRoute
 from producer.protocol import (
     IDENTIFIER_PATTERN,
@@ -156,6 +158,7 @@ class Gateway:
         self.broker = bounded_redis_async(settings, settings.broker, settings.redis_max_connections,
                                           settings.redis_pool_timeout_s)
         self.records = TaskRecords(self.client, settings.key_prefix, settings.task_record_ttl_s)
+        self.tenancy = Tenancy(self.client.redis, settings)
         self.router = ModelRouter(self.client.redis, settings)
         self.streams = sse.StreamSlots(settings.max_streams_per_task, settings.max_streams_per_client,
                                        settings.retry_after_s)
@@ -204,8 +207,9 @@ class Gateway:
         return TaskStatus(id=identifier, state=snapshot.state, result=snapshot.result, error=snapshot.error)
 
 
-def _gateway_token(request: Request) -> None:
-    require_gateway_token(request.app.state.gateway.settings, request)
+async def _gateway_token(request: Request) -> None:
+    gateway: Gateway = request.app.state.gateway
+    await require_gateway_token(gateway.settings, request, gateway.client.redis)
 
 
 async def _task_access(request: Request, task_id: Annotated[str, Path(pattern=IDENTIFIER_PATTERN)]) -> str:
@@ -234,6 +238,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     metrics = GatewayMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RateLimitHeaders)
     app.add_api_route("/metrics", metrics.endpoint, methods=["GET"], include_in_schema=False)
     install_handlers(app)
 
@@ -250,7 +255,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         body = await request.body()
         seen_signature = await require_webhook_auth(settings, request, body, gateway.client.redis)
         try:
-            return await _accept(gateway, body)
+            return await _accept(gateway, request, body)
         except BaseException:
             if seen_signature is not None:  # refused: the sender may retry the same signed bytes
                 with anyio.CancelScope(shield=True):
@@ -314,6 +319,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(tokens_router(gateway.router, partial(parse_request, gateway.constraints, status=400),
                                      settings),
                        dependencies=[Depends(_gateway_token)])
+    app.include_router(usage_router(gateway.client.redis, settings), dependencies=[Depends(_gateway_token)])
 
     # FastAPI's documented way to customise the schema is to replace the method.
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -336,7 +342,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
+async def _accept(gateway: Gateway, request: Request, body: bytes) -> TaskAccepted:
     """The webhook after authentication: validate, admit, claim the identifier, enqueue."""
     settings = gateway.settings
     payload = _json_object(body)
@@ -352,7 +358,7 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
                            param="adapter")
         payload["adapter"] = target.route.adapter
     generation = await parse_request(gateway.constraints, payload, status=422)
-    await target.cards.check(generation, status=422, names={})
+    prompt_tokens = await target.cards.check(generation, status=422, names={})
     if generation.image_inputs():
         limits = await target.cards.current()
         try:
@@ -361,12 +367,20 @@ async def _accept(gateway: Gateway, body: bytes) -> TaskAccepted:
             raise ApiError(422, "invalid_image", str(error), param=error.param) from None
     await gateway.admit(target.route.queue)
     identifier = generation.identifier or str(uuid.uuid4())
-    nonce = await gateway.records.claim(identifier)
+    nonce = await gateway.records.claim(identifier)  # first: admission's reservation is named by the identifier
+    try:
+        generation, = await gateway.tenancy.admit(request, [generation.model_copy(update={"identifier": identifier})],
+                                                  [prompt_tokens])
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await gateway.records.release(identifier, nonce)
+        raise
     try:
         await gateway.send(generation, identifier, callback_url, target.route.queue)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await gateway.records.release(identifier, nonce)
+            await gateway.tenancy.release(request, [identifier])
         raise
     access = (task_access_token(settings.webhook_secret.get_secret_value(), identifier, nonce)
               if settings.webhook_secret is not None else None)
@@ -480,15 +494,17 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
     generation = await parse_request(gateway.constraints, {**fields, "identifier": identifier}, status=400,
                                      names=names)
     # Before anything is queued: a streamed request is answered 200 as soon as it is.
-    if limits is not None:
-        await check_request(limits, generation, status=400, names=names)
+    prompt_tokens = 0 if limits is None else await check_request(limits, generation, status=400, names=names)
     await gateway.admit(target.route.queue)
+    generation, = await gateway.tenancy.admit(request, [generation], [prompt_tokens])
     if body.stream:
         give_back = gateway.streams.take(identifier, sse.client_identity(request))
         try:
             handle = await gateway.client.submit(generation, identifier=identifier, queue=target.route.queue)
         except BaseException:
             give_back()
+            with anyio.CancelScope(shield=True):
+                await gateway.tenancy.release(request, [identifier])
             raise
         reads_calls = generation.tools is not None and generation.tool_choice != "none"
         chunks = _chat_stream(gateway, handle, body.n_choices, body.model, include_usage=body.include_usage,
@@ -496,7 +512,12 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
                               reasoning_format=generation.reasoning_format, legacy_functions=body.legacy_functions,
                               prompt_logprobs=body.prompt_logprobs)
         return sse.EventStream(chunks, give_back)
-    handle = await gateway.client.submit(generation, identifier=identifier, queue=target.route.queue)
+    try:
+        handle = await gateway.client.submit(generation, identifier=identifier, queue=target.route.queue)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await gateway.tenancy.release(request, [identifier])
+        raise
     try:
         result = await sse.unless_disconnected(request, handle.result(timeout=settings.result_timeout_s))
     except GenerationError as error:

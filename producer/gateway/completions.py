@@ -87,21 +87,22 @@ async def _complete(gateway: Gateway, request: Request, body: CompletionRequest)
     identifier = f"cmpl-{uuid.uuid4().hex}"
     fields = routed(fields, target)
     limits = await target.cards.current()
-    generations = [await _checked(gateway, limits, body, {**fields, _prompt_field(prompt): prompt},
-                                  identifier if len(prompts) == 1 else f"{identifier}-{i}", i)
-                   for i, prompt in enumerate(prompts)]
+    checked = [await _checked(gateway, limits, body, {**fields, _prompt_field(prompt): prompt},
+                              identifier if len(prompts) == 1 else f"{identifier}-{i}", i)
+               for i, prompt in enumerate(prompts)]
     echo = await _echo(limits, body, prompts)
     await gateway.admit(target.route.queue)
+    generations = await gateway.tenancy.admit(request, [g for g, _ in checked], [tokens for _, tokens in checked])
     if body.stream:
         give_back = gateway.streams.take(identifier, sse.client_identity(request))
         try:
-            handles = await _submit(gateway, generations, target.route.queue)
+            handles = await _submit(gateway, request, generations, target.route.queue)
         except BaseException:
             give_back()
             raise
         chunks = _stream(gateway, handles, identifier, body, echo)
         return sse.EventStream(chunks, give_back)
-    handles = await _submit(gateway, generations, target.route.queue)
+    handles = await _submit(gateway, request, generations, target.route.queue)
     results = await _results(gateway, request, handles)
     if results is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -116,16 +117,14 @@ def _prompt_field(prompt: str | list[int]) -> str:
 
 
 async def _checked(gateway: Gateway, limits: ModelLimits | None, body: CompletionRequest, fields: dict[str, Any],
-                   identifier: str, index: int) -> GenerationRequest:
-    """Prompt `index`'s request, checked as a single prompt's is; a refusal names prompt[index]
-    when the prompt is a list."""
+                   identifier: str, index: int) -> tuple[GenerationRequest, int]:
+    """Prompt `index`'s request, checked as a single prompt's is, and its prompt tokens (0 without
+    a card); a refusal names prompt[index] when the prompt is a list."""
     names = body.param_names()
     if body.batched:
         names = {**names, "prompt": f"prompt[{index}]", "input_ids": f"prompt[{index}]"}
     generation = await parse_request(gateway.constraints, {**fields, "identifier": identifier}, status=400, names=names)
-    if limits is not None:
-        await check_request(limits, generation, status=400, names=names)
-    return generation
+    return generation, 0 if limits is None else await check_request(limits, generation, status=400, names=names)
 
 
 async def _echo(limits: ModelLimits | None, body: CompletionRequest, prompts: list[str | list[int]]) -> Echo:
@@ -155,17 +154,19 @@ def _decode(tokenizer: PromptTokenizer | None, tokens: list[int]) -> str:
     return tokenizer.backend.decode(tokens, skip_special_tokens=False)
 
 
-async def _submit(gateway: Gateway, generations: list[GenerationRequest], queue: str
+async def _submit(gateway: Gateway, request: Request, generations: list[GenerationRequest], queue: str
                   ) -> list[AsyncGenerationHandle]:
     """Every prompt's task to the model's queue, over one broker connection; should sending fail
-    part way, the tasks already sent are cancelled."""
+    part way, the tasks already sent are cancelled, and what an API key's admission reserved for
+    them is given back."""
     try:
         return await gateway.client.submit_many(generations, queue=queue)
     except BaseException:
         with anyio.CancelScope(shield=True):
-            for generation in generations:
-                assert generation.identifier is not None
-                await gateway.client.cancel(generation.identifier)
+            identifiers = [generation.identifier for generation in generations if generation.identifier is not None]
+            for identifier in identifiers:
+                await gateway.client.cancel(identifier)
+            await gateway.tenancy.release(request, identifiers)
         raise
 
 

@@ -188,11 +188,11 @@ class CardReader:
                 self._announce(self._limits)
         return self._limits
 
-    async def check(self, request: GenerationRequest, *, status: int, names: Mapping[str, str]) -> None:
-        """Raise the ApiError the request deserves under the current limits (none without a card)."""
+    async def check(self, request: GenerationRequest, *, status: int, names: Mapping[str, str]) -> int:
+        """Raise the ApiError the request deserves under the current limits (none without a card);
+        else the prompt's tokens as check_request counts them (0 without a card)."""
         limits = await self.current()
-        if limits is not None:
-            await check_request(limits, request, status=status, names=names)
+        return 0 if limits is None else await check_request(limits, request, status=status, names=names)
 
     async def _read(self, key: str) -> ModelLimits | None:
         cards = live_cards(await self.client.hgetall(key), key)
@@ -267,9 +267,11 @@ class CardReader:
 
 
 async def check_request(limits: ModelLimits, request: GenerationRequest, *, status: int,
-                        names: Mapping[str, str]) -> None:
+                        names: Mapping[str, str]) -> int:
     """Raise an ApiError (`status` for invalid requests, named with `names`) for a request the
-    workers behind `limits` would refuse."""
+    workers behind `limits` would refuse; else return its prompt's tokens (images included; a
+    lower bound where the prompt cannot be counted exactly), which an API key's tokens per
+    minute reserve (producer/gateway/tenancy.py)."""
     for field, token in _token_ids(request):
         if not 0 <= token < limits.vocab_size:
             name = names.get(field, field)
@@ -282,7 +284,7 @@ async def check_request(limits: ModelLimits, request: GenerationRequest, *, stat
     prompt_tokens += image_tokens(limits, request)
     completion = request.max_new_tokens
     if prompt_tokens + completion <= limits.max_seq_len:
-        return
+        return prompt_tokens
     prompt_name, max_name = names.get(field, field), names.get("max_new_tokens", "max_new_tokens")
     at_least = "" if exact else "at least "
     counted = "" if exact else " (their text alone; the chat template adds more)"

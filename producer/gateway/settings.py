@@ -75,6 +75,12 @@ class GatewaySettings(ClientSettings):
         default=False, description="fetch image URLs on loopback, private, link-local, ... addresses (trusted "
                                    "deployments; the callbacks' address rule otherwise)")
 
+    key_slot_ttl_s: int = Field(default=3600, ge=1,
+                                description="an API key's concurrency slot is freed after this long if its task's "
+                                            "end is never reported (a purged queue); longer than any task runs")
+    usage_max_hours: int = Field(default=744, ge=1, le=8784,
+                                 description="most hours one `GET /v1/usage` answers (400 past it)")
+
     webhook_secret: SecretStr | None = Field(default=None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="HMAC key of webhook signatures and callbacks")
     callback_queue: str = Field(default=DEFAULT_CALLBACK_QUEUE, validation_alias="GENQ_CALLBACK_QUEUE")

@@ -1,0 +1,79 @@
+"""The worker's side of usage accounting (issue 29), on the test Redis: the publisher counts a
+terminal event's usage once (a resent pipeline counts nothing twice), under its tenant or the
+default one; a failed task counts nothing but frees its API key's slot; the ranking of tenants
+by tokens that gives out the metrics' labels."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+
+import redis
+import redis.asyncio
+
+from producer.protocol import StreamEvent, Usage
+from producer.tenants.admission import Admission
+from producer.tenants.keys import KeyLimits, KeyStore
+from producer.tenants.names import DEFAULT_TENANT, hourly, reservation, running_tasks, tenant_usage
+from producer.tenants.ranking import top_tenants
+from producer.tenants.settle import hour_of
+from worker.publisher import Publisher
+
+
+def done(identifier: str, usage: Usage) -> StreamEvent:
+    return StreamEvent(id=identifier, seq=1, attempt=1, event="done", finish_reason="stop", usage=usage)
+
+
+def counts(client: redis.Redis, prefix: str, tenant: str, since: float) -> dict[str, int]:
+    """The tenant's counts of the hours from `since` to now (a test may cross an hour's end)."""
+    total: Counter[str] = Counter()
+    for hour in {hour_of(since), hour_of(time.time())}:
+        stored = client.hgetall(hourly(tenant_usage(prefix, tenant), hour))
+        total.update({name.decode(): int(value) for name, value in stored.items()})
+    return dict(total)
+
+
+def test_each_task_counts_once_under_its_tenant_and_tenants_rank_by_tokens(redis_url: str,
+                                                                          redis_client: redis.Redis):
+    prefix, since = f"count-{uuid.uuid4().hex[:8]}", time.time()
+    seen: list[tuple[str, Usage]] = []
+    publisher = Publisher(redis_client, prefix, stream_maxlen=100, stream_ttl_s=60,
+                          on_usage=lambda tenant, usage: seen.append((tenant, usage)))
+    usages = {"t-small": Usage(prompt_tokens=4, completion_tokens=6, cached_tokens=2),
+              "t-big": Usage(prompt_tokens=70, completion_tokens=30),
+              "t-mid": Usage(prompt_tokens=20, completion_tokens=30, cached_tokens=16)}
+    for tenant, usage in usages.items():
+        publisher.publish([done(f"task-{tenant}", usage)], tenants={f"task-{tenant}": tenant})
+    publisher.publish([done("task-t-big", usages["t-big"])], tenants={"task-t-big": "t-big"})  # resent
+    publisher.publish([done("task-nobody", Usage(prompt_tokens=1, completion_tokens=1))])
+
+    for tenant, usage in usages.items():
+        assert counts(redis_client, prefix, tenant, since) == {**usage.model_dump(), "requests": 1}
+    assert counts(redis_client, prefix, DEFAULT_TENANT, since) == {"prompt_tokens": 1, "completion_tokens": 1,
+                                                            "cached_tokens": 0, "requests": 1}
+    assert sorted(tenant for tenant, _ in seen) == sorted([*usages, DEFAULT_TENANT])
+    assert top_tenants(redis_client, prefix, 2, hours=24) == ["t-big", "t-mid"]
+
+
+def test_a_failed_task_counts_nothing_and_frees_its_keys_slot(redis_url: str, redis_client: redis.Redis):
+    prefix, since = f"fail-{uuid.uuid4().hex[:8]}", time.time()
+    key, _ = KeyStore(redis_client, prefix).create("failing", "f", KeyLimits(concurrent=1))
+
+    async def admit(identifier: str) -> str:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            return (await Admission(client, prefix, 600, 600).admit(key, [(identifier, 10)])).refused
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(admit("first")) == ""
+    assert asyncio.run(admit("second")) == "concurrent"
+    publisher = Publisher(redis_client, prefix, stream_maxlen=100, stream_ttl_s=60)
+    publisher.publish([StreamEvent(id="first", seq=1, attempt=1, event="error", finish_reason="error",
+                                   error="the engine failed")], tenants={"first": "failing"})
+    assert redis_client.zcard(running_tasks(prefix, key.id)) == 0
+    assert not redis_client.exists(reservation(prefix, "first"))
+    assert counts(redis_client, prefix, "failing", since) == {}
+    assert asyncio.run(admit("second")) == ""
