@@ -1,0 +1,126 @@
+"""The gateway's side of driving a batch (producer/batches/driver.py's LineRunner): a line's body
+translated by the endpoint's own translation (app.chat_generation, completions'
+completion_generations) into the genq request it runs as, at the batch priority with the
+completion window as its deadline; a task's outcome read back as the endpoint would have
+answered it; the end of a batch posted to the webhook its metadata names (`genq_webhook_url`),
+through the callback worker (producer/callbacks.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery import states
+from pydantic import BaseModel, ValidationError
+
+from producer.batches.driver import LineAnswer
+from producer.batches.input_file import BatchLine
+from producer.batches.records import Batch
+from producer.callbacks import DELIVER_CALLBACK_TASK
+from producer.gateway.completions import completion_generations
+from producer.gateway.errors import ApiError, invalid_request
+from producer.gateway.model_router import Target
+from producer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, chat_response, completion_response
+from producer.protocol import GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from producer.gateway.app import Gateway
+
+WEBHOOK_METADATA_KEY = "genq_webhook_url"
+"""The batch metadata key whose value, an http(s) URL, receives the batch object when the batch ends."""
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+ChatTranslation = Callable[["Gateway", ChatCompletionRequest, str], Awaitable[tuple[GenerationRequest, Target]]]
+
+
+class GatewayLineRunner:
+    def __init__(self, gateway: Gateway, chat: ChatTranslation) -> None:
+        self.gateway = gateway
+        self.chat = chat
+
+    async def send(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> list[tuple[BatchLine, LineAnswer]]:
+        refused: list[tuple[BatchLine, LineAnswer]] = []
+        by_queue: dict[str, list[GenerationRequest]] = defaultdict(list)
+        for line, identifier in lines:
+            try:
+                generation, target = await self._translate(line, identifier)
+            except ApiError as error:
+                refused.append((line, LineAnswer("error", error.status, error.body())))
+                continue
+            update: dict[str, Any] = {"priority": self.gateway.settings.batch_priority}
+            if generation.timeout_s is None:
+                update["deadline"] = min(generation.deadline or batch.expires_at, batch.expires_at)
+            by_queue[target.route.queue].append(generation.model_copy(update=update))
+        for queue, generations in by_queue.items():
+            for handle in await self.gateway.client.submit_many(generations, queue=queue):
+                await handle.close()
+        return refused
+
+    async def answer(self, batch: Batch, line: BatchLine, identifier: str) -> LineAnswer | None:
+        snapshot = await self.gateway.client.handle(identifier).snapshot()
+        if snapshot.state not in states.READY_STATES:
+            return None
+        result = snapshot.result
+        if snapshot.state == states.REVOKED or (result is not None and result.finish_reason == "cancelled"):
+            return LineAnswer("error", error={"code": "batch_cancelled",
+                                              "message": "the batch was cancelled before this request finished"})
+        if result is not None and result.finish_reason == "deadline":
+            return LineAnswer("error", error={"code": "batch_expired",
+                                              "message": "the batch's completion window ended during this request"})
+        if result is None:
+            # Nearly always the request's fault, answered 400 as the endpoint answers it.
+            failed = ApiError(400, "generation_failed", snapshot.error or "the generation failed")
+            return LineAnswer("error", failed.status, failed.body())
+        try:
+            return LineAnswer("output", 200, await self._response(line, identifier, result))
+        except ApiError as error:
+            return LineAnswer("error", error.status, error.body())
+
+    async def cancel(self, identifier: str) -> None:
+        await self.gateway.client.cancel(identifier)
+
+    async def notify(self, batch: Batch) -> None:
+        url = (batch.metadata or {}).get(WEBHOOK_METADATA_KEY)
+        if url is None or self.gateway.settings.webhook_secret is None:
+            return
+        # The task id is the delivery id the receiver sees: the same if a crash sends it again.
+        await asyncio.to_thread(
+            self.gateway.client.celery.send_task, DELIVER_CALLBACK_TASK, args=(batch.model_dump(mode="json"),),
+            kwargs={"callback_url": url, "identifier": batch.id, "event": f"batch.{batch.status}"},
+            queue=self.gateway.settings.callback_queue, task_id=f"{batch.id}-webhook")
+
+    async def _translate(self, line: BatchLine, identifier: str) -> tuple[GenerationRequest, Target]:
+        if line.body.get("stream"):
+            raise ApiError(400, "invalid_request", "stream: a batch request is answered whole; leave stream out",
+                           param="stream")
+        if line.url == "/v1/chat/completions":
+            return await self.chat(self.gateway, _parsed(ChatCompletionRequest, line.body), identifier)
+        generations, _, target = await completion_generations(
+            self.gateway, _parsed(CompletionRequest, line.body), identifier)
+        if len(generations) != 1:
+            raise ApiError(400, "invalid_request", f"prompt: a batch request holds one prompt, got "
+                                                   f"{len(generations)}; give each its own line", param="prompt")
+        return generations[0], target
+
+    async def _response(self, line: BatchLine, identifier: str, result: GenerationResult) -> dict[str, Any]:
+        """The body the endpoint would have answered the line with."""
+        answer: BaseModel
+        if line.url == "/v1/chat/completions":
+            chat = _parsed(ChatCompletionRequest, line.body)
+            answer = chat_response(identifier, chat.model, result, chat.prompt_logprobs, chat.legacy_functions)
+        else:
+            completion = _parsed(CompletionRequest, line.body)
+            _, echo, _ = await completion_generations(self.gateway, completion, identifier)
+            answer = completion_response(identifier, completion.model, [result], echo)
+        body: dict[str, Any] = json.loads(answer.model_dump_json())
+        return body
+
+
+def _parsed(model: type[ModelT], body: dict[str, Any]) -> ModelT:
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise invalid_request(400, error.errors()) from None

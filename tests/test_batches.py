@@ -1,0 +1,252 @@
+"""The OpenAI Batch API end to end: the `openai` SDK's own calls (files.create, batches.create,
+batches.retrieve polled, files.content, batches.cancel) against a real gateway, a real worker of
+the tiny model and a real callback worker, on the session's Redis."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types import Batch
+
+from producer.client import GenqClient
+from producer.signing import verify
+from tests.gateway_service import MODEL, QUEUE, SECRET, TOKEN, GatewayProcess, Receiver, bearer, service_env
+from worker.processes import WorkerProcess
+
+MAX_LINES = 30
+MAX_LINE_BYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def files_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("batch-files")
+
+
+def batch_env(files_dir: Path, **more: str) -> dict[str, str]:
+    return {"GENQ_GATEWAY_FILES_DIR": str(files_dir), "GENQ_GATEWAY_BATCH_MAX_LINES": str(MAX_LINES),
+            "GENQ_GATEWAY_BATCH_MAX_LINE_BYTES": str(MAX_LINE_BYTES), "GENQ_GATEWAY_BATCH_POLL_S": "0.2",
+            "GENQ_GATEWAY_BATCH_LEASE_S": "2", "GENQ_GATEWAY_BATCH_MAX_IN_FLIGHT": "4", **more}
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess], files_dir: Path) -> str:
+    return module_gateway(QUEUE, "batch-gateway", **batch_env(files_dir)).url
+
+
+@pytest.fixture(scope="module")
+def oai(gateway: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+def chat_line(custom_id: str, text: str, max_tokens: int = 4, **body: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                     "temperature": 0, **body}}
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def wait_for(oai: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 180) -> Batch:
+    """Poll batches.retrieve, as a client of the Batch API does, until the batch reaches a status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = oai.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+
+
+def output_lines(oai: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    return [json.loads(line) for line in oai.files.content(file_id).text.splitlines()]
+
+
+def attempts(genq: GenqClient, batch_id: str, count: int) -> list[int]:
+    """The attempt each line's task ended on: 1 when no line ran twice."""
+    return [genq.handle(f"{batch_id}-{index}").result(timeout=5).attempt for index in range(count)]
+
+
+# --- files ---------------------------------------------------------------------------------
+
+
+def test_files_create_retrieve_list_content_delete(oai: openai.OpenAI):
+    content = jsonl([chat_line("a", "hello"), chat_line("b", "world")])
+    created = oai.files.create(file=("requests.jsonl", content), purpose="batch")
+    assert (created.object, created.purpose, created.bytes, created.filename) == (
+        "file", "batch", len(content), "requests.jsonl")
+    assert created.expires_at is not None and created.expires_at > created.created_at
+    assert oai.files.retrieve(created.id) == created
+    assert created.id in [file.id for file in oai.files.list()]
+    assert oai.files.content(created.id).content == content
+    deleted = oai.files.delete(created.id)
+    assert (deleted.id, deleted.deleted) == (created.id, True)
+    with pytest.raises(openai.NotFoundError):
+        oai.files.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.files.content(created.id)
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (jsonl([chat_line("a", "x"), chat_line("a", "y")]), "line 2: custom_id 'a' is already used on line 1"),
+    (jsonl([chat_line("a", "x")]) + b"{not json\n", "line 2: not JSON"),
+    (jsonl([chat_line("a", "x"), {**chat_line("b", "y"), "url": "/v1/embeddings"}]), "line 2: url must be one of"),
+    (jsonl([{**chat_line("a", "x"), "method": "GET"}]), "line 1: method must be 'POST'"),
+    (jsonl([{**chat_line("a", "x"), "extra": 1}]), "line 1: unknown keys 'extra'"),
+    (jsonl([chat_line(f"c{i}", "x") for i in range(MAX_LINES + 1)]),
+     f"{MAX_LINES + 1} lines, more than GENQ_GATEWAY_BATCH_MAX_LINES ({MAX_LINES})"),
+    (jsonl([chat_line("a", "x"), chat_line("b", "y" * MAX_LINE_BYTES)]),
+     f"line 2: {len(json.dumps(chat_line('b', 'y' * MAX_LINE_BYTES)))} bytes, more than "
+     f"GENQ_GATEWAY_BATCH_MAX_LINE_BYTES ({MAX_LINE_BYTES})"),
+    (b"", "the file is empty"),
+], ids=["duplicate-id", "not-json", "url", "method", "unknown-key", "too-many-lines", "long-line", "empty"])
+def test_an_invalid_input_file_is_refused_naming_the_line_and_the_limit(oai: openai.OpenAI, content: bytes,
+                                                                         expected: str):
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.files.create(file=("bad.jsonl", content), purpose="batch")
+    assert expected in refused.value.body["message"]  # type: ignore[index]
+    assert refused.value.body["param"] == "file"  # type: ignore[index]
+
+
+def test_an_upload_for_another_purpose_is_refused_naming_purpose(oai: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.files.create(file=("a.jsonl", jsonl([chat_line("a", "x")])), purpose="fine-tune")
+    assert refused.value.body["param"] == "purpose"  # type: ignore[index]
+
+
+# --- batches -------------------------------------------------------------------------------
+
+
+def test_a_batch_of_twenty_chat_lines_answers_every_line_exactly_once_and_calls_its_webhook(
+        oai: openai.OpenAI, genq: GenqClient, callback_worker: Any, receiver: tuple[Receiver, str]):
+    state, url = receiver
+    lines = [chat_line(f"req-{i}", f"question {i}") for i in range(20)]
+    input_file = oai.files.create(file=("twenty.jsonl", jsonl(lines)), purpose="batch")
+    batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h", metadata={"genq_webhook_url": f"{url}/batch-done"})
+    assert (batch.status, batch.request_counts.total, batch.input_file_id) == ("validating", 20, input_file.id)
+    done = wait_for(oai, batch.id, {"completed", "failed", "expired", "cancelled"})
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (20, 20, 0)
+    assert done.error_file_id is None and done.in_progress_at and done.finalizing_at and done.completed_at
+    answers = output_lines(oai, done.output_file_id)
+    assert sorted(answer["custom_id"] for answer in answers) == sorted(line["custom_id"] for line in lines)
+    for answer in answers:
+        index = int(answer["custom_id"].removeprefix("req-"))
+        assert answer["error"] is None and answer["response"]["status_code"] == 200
+        assert answer["response"]["request_id"] == f"{batch.id}-{index}"
+        body = answer["response"]["body"]
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] <= 4
+    assert attempts(genq, batch.id, 20) == [1] * 20
+    (headers, raw), *_ = state.wait("/batch-done", 3)[-1:]  # two 500s, then delivered
+    assert verify(SECRET, raw, headers["X-Genq-Timestamp"], headers["X-Genq-Signature"], window_s=300)
+    delivered = json.loads(raw)
+    assert (delivered["id"], delivered["event"]) == (batch.id, "batch.completed")
+    assert delivered["batch"]["status"] == "completed"
+    assert delivered["batch"]["output_file_id"] == done.output_file_id
+    assert oai.batches.retrieve(batch.id).id in [b.id for b in oai.batches.list(limit=100)]
+
+
+def test_a_completions_batch_answers_good_lines_and_puts_refused_ones_in_the_error_file(oai: openai.OpenAI):
+    def line(custom_id: str, **body: Any) -> dict[str, Any]:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                "body": {"model": MODEL, "max_tokens": 3, "temperature": 0, **body}}
+
+    lines = [line("good", prompt="once upon"), line("two-prompts", prompt=["a", "b"]),
+             line("bad-max", prompt="x", max_tokens=0)]
+    input_file = oai.files.create(file=("completions.jsonl", jsonl(lines)), purpose="batch")
+    batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/completions", completion_window="24h")
+    done = wait_for(oai, batch.id, {"completed", "failed", "expired", "cancelled"})
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 2)
+    [good] = output_lines(oai, done.output_file_id)
+    assert good["custom_id"] == "good" and good["response"]["body"]["object"] == "text_completion"
+    errors = {answer["custom_id"]: answer["response"] for answer in output_lines(oai, done.error_file_id)}
+    assert errors["two-prompts"]["status_code"] == 400
+    assert errors["two-prompts"]["body"]["error"]["param"] == "prompt"
+    assert errors["bad-max"]["status_code"] == 400
+    assert errors["bad-max"]["body"]["error"]["param"] == "max_tokens"
+
+
+def test_cancel_stops_a_batch_with_only_the_lines_it_answered(oai: openai.OpenAI):
+    lines = [chat_line(f"long-{i}", "tell me everything", max_tokens=600, ignore_eos=True) for i in range(20)]
+    input_file = oai.files.create(file=("long.jsonl", jsonl(lines)), purpose="batch")
+    batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    wait_for(oai, batch.id, {"in_progress"}, timeout=30)
+    cancelling = oai.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = wait_for(oai, batch.id, {"cancelled"}, timeout=120)
+    assert done.cancelling_at is not None and done.cancelled_at is not None
+    counts = done.request_counts
+    assert counts.total == 20 and counts.completed + counts.failed < 20  # at most 4 lines were ever queued
+    errors = output_lines(oai, done.error_file_id) if done.error_file_id else []
+    assert all(answer["error"]["code"] == "batch_cancelled" for answer in errors)
+    assert len(errors) == counts.failed
+
+
+def test_a_completed_batch_cannot_be_cancelled(oai: openai.OpenAI):
+    input_file = oai.files.create(file=("one.jsonl", jsonl([chat_line("one", "hi")])), purpose="batch")
+    batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    wait_for(oai, batch.id, {"completed"})
+    with pytest.raises(openai.ConflictError) as refused:
+        oai.batches.cancel(batch.id)
+    assert refused.value.code == "batch_not_cancellable"
+    assert oai.batches.retrieve(batch.id).status == "completed"
+
+
+@pytest.mark.parametrize(("create", "param", "expected"), [
+    ({"endpoint": "/v1/completions"}, "input_file_id", "line 1: url /v1/chat/completions differs from the batch's "
+                                                       "endpoint /v1/completions"),
+    ({"input_file_id": "file-doesnotexist"}, "input_file_id", "no batch input file 'file-doesnotexist'"),
+    ({"completion_window": "1h"}, "completion_window", "completion_window"),
+    ({"metadata": {"genq_webhook_url": "ftp://example.com/x"}}, "metadata.genq_webhook_url",
+     "metadata.genq_webhook_url: must be an http(s) URL"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "metadata"),
+], ids=["endpoint-mismatch", "unknown-file", "window", "webhook-url", "metadata-keys"])
+def test_an_invalid_batch_is_refused_naming_the_field(oai: openai.OpenAI, gateway: str, create: dict[str, Any],
+                                                      param: str, expected: str):
+    input_file = oai.files.create(file=("ok.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
+    body = {"input_file_id": input_file.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+            **create}
+    response = httpx.post(f"{gateway}/v1/batches", json=body, headers=bearer(), timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and expected in error["message"]
+
+
+def test_a_batch_survives_its_gateway_being_killed_with_no_line_run_twice(
+        worker: WorkerProcess, genq: GenqClient, redis_url: str, files_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory):
+    env = {**service_env(redis_url), "GENQ_GATEWAY_TOKEN": TOKEN, "GENQ_GATEWAY_MODEL_NAME": MODEL,
+           **batch_env(files_dir)}
+    lines = [chat_line(f"r-{i}", f"restart {i}", max_tokens=24, ignore_eos=True) for i in range(20)]
+    first = GatewayProcess(env, tmp_path_factory.mktemp("first") / "gateway.log").start()
+    try:
+        client = openai.OpenAI(base_url=f"{first.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+        input_file = client.files.create(file=("restart.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline, "no line answered within 60 s"
+            time.sleep(0.1)
+    finally:
+        first.kill()
+        first.wait()
+    with GatewayProcess(env, tmp_path_factory.mktemp("second") / "gateway.log") as second:
+        client = openai.OpenAI(base_url=f"{second.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+        done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 20, 0)
+        answers = output_lines(client, done.output_file_id)
+    assert sorted(answer["custom_id"] for answer in answers) == sorted(line["custom_id"] for line in lines)
+    assert attempts(genq, batch.id, 20) == [1] * 20
