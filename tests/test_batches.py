@@ -250,3 +250,21 @@ def test_a_batch_survives_its_gateway_being_killed_with_no_line_run_twice(
         answers = output_lines(client, done.output_file_id)
     assert sorted(answer["custom_id"] for answer in answers) == sorted(line["custom_id"] for line in lines)
     assert attempts(genq, batch.id, 20) == [1] * 20
+
+
+def test_an_upload_past_the_file_limit_is_413_and_without_a_files_directory_the_apis_answer_503(
+        worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess]):
+    url = module_gateway(QUEUE, "no-files-gateway", GENQ_GATEWAY_FILE_MAX_BYTES="2048").url
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0, timeout=30)
+    big = jsonl([chat_line(f"id-{i}", "x" * 100) for i in range(500)])  # past 2048 + MULTIPART_OVERHEAD_BYTES
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(file=("big.jsonl", big), purpose="batch")
+    assert refused.value.status_code == 413
+    assert "GENQ_GATEWAY_FILE_MAX_BYTES" in refused.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.APIStatusError) as unavailable:
+        client.files.create(file=("small.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
+    assert unavailable.value.status_code == 503
+    assert "GENQ_GATEWAY_FILES_DIR" in unavailable.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.APIStatusError) as listing:
+        client.batches.list()
+    assert listing.value.status_code == 503

@@ -156,7 +156,12 @@ class BatchRecords:
             rank = cast(int | None, await self.redis.zrevrank(self._listing, after))
             start = 0 if rank is None else rank + 1
         ids = cast(list[str], await self.redis.zrevrange(self._listing, start, start + limit))
-        batches = [batch for i in ids[:limit] if (batch := await self.get(i)) is not None]
+        batches = []
+        for batch_id in ids[:limit]:
+            if (batch := await self.get(batch_id)) is not None:
+                batches.append(batch)
+            else:  # its record has expired with its files
+                await self.redis.zrem(self._listing, batch_id)
         return batches, len(ids) > limit
 
     async def transition(self, batch_id: str, status: BatchStatus, *allowed: BatchStatus) -> bool:
