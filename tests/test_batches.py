@@ -4,8 +4,10 @@ the tiny model and a real callback worker, on the session's Redis."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,9 +15,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
+from fastapi.testclient import TestClient
 from openai.types import Batch
 
 from producer.client import GenqClient
+from producer.gateway import GatewaySettings, create_app
 from producer.signing import verify
 from tests.gateway_service import MODEL, QUEUE, SECRET, TOKEN, GatewayProcess, Receiver, bearer, service_env
 from worker.processes import WorkerProcess
@@ -268,3 +273,37 @@ def test_an_upload_past_the_file_limit_is_413_and_without_a_files_directory_the_
     with pytest.raises(openai.APIStatusError) as listing:
         client.batches.list()
     assert listing.value.status_code == 503
+
+
+def test_batch_lines_are_queued_at_the_batch_priority_with_the_window_as_deadline_and_the_line_ids(
+        redis_url: str, tmp_path: Path):
+    """On a queue no worker consumes, the messages a batch's driver sends are read back from the
+    broker: kombu's list of priority 9, at most GENQ_GATEWAY_BATCH_MAX_IN_FLIGHT of them."""
+    queue = f"genq-unconsumed-{uuid.uuid4().hex[:8]}"
+    settings = GatewaySettings(token=TOKEN, redis_url=redis_url, queue=queue, key_prefix=f"p{uuid.uuid4().hex[:8]}",
+                               files_dir=tmp_path, batch_poll_s=0.1, batch_max_in_flight=3)
+    broker = redis.Redis.from_url(redis_url)
+    lowest = f"{queue}\x06\x169"
+    try:
+        with TestClient(create_app(settings)) as client:
+            upload = client.post("/v1/files", headers=bearer(), data={"purpose": "batch"},
+                                 files={"file": ("five.jsonl", jsonl([chat_line(f"p{i}", "x") for i in range(5)]))})
+            assert upload.status_code == 200, upload.text
+            created = client.post("/v1/batches", headers=bearer(), json={
+                "input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+            batch = created.json()
+            deadline = time.monotonic() + 30
+            while broker.llen(lowest) < 3:
+                assert time.monotonic() < deadline, "the batch's first lines were not queued within 30 s"
+                time.sleep(0.05)
+            messages = [json.loads(raw) for raw in broker.lrange(lowest, 0, -1)]
+            assert client.post(f"/v1/batches/{batch['id']}/cancel", headers=bearer()).json()["status"] == "cancelling"
+        assert broker.llen(queue) == 0  # nothing at the default (interactive) priority
+        assert sorted(message["headers"]["id"] for message in messages) == [f"{batch['id']}-{i}" for i in range(3)]
+        for message in messages:
+            assert message["properties"]["priority"] == 9
+            _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+            assert (kwargs["priority"], kwargs["deadline"]) == (9, batch["expires_at"])
+            assert batch["expires_at"] - batch["created_at"] == 24 * 3600
+    finally:
+        broker.delete(queue, *(f"{queue}\x06\x16{level}" for level in range(1, 10)))
