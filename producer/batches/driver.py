@@ -13,8 +13,11 @@ point, or two gateways stepping one batch after a lease lapsed, loses and repeat
    the output and error files are written from the parts under ids derived from the batch id,
    the webhook is sent, and the status is set.
 
-The genq specifics (translating a line, reading a task's outcome, the webhook) are the
-LineRunner's: the gateway's (producer/gateway/batch_runner.py)."""
+A queued line the broker lost (a worker or Redis killed between kombu's pop and its
+unacknowledged record) is sent again by the runner's watchdog; a driver that takes a batch over
+watches the lines it finds queued. The genq specifics (translating a line, reading a task's
+outcome, the watchdog, the webhook) are the LineRunner's: the gateway's
+(producer/gateway/batch_runner.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +56,9 @@ class LineRunner(Protocol):
 
     async def answer(self, batch: Batch, line: BatchLine, identifier: str) -> LineAnswer | None:
         """The line's answer once its task has ended, else None."""
+
+    async def watch(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> None:
+        """Watch lines another process queued (a batch taken over), as if this one had sent them."""
 
     async def cancel(self, identifier: str) -> None: ...
 
@@ -95,12 +101,16 @@ class BatchDriver:
             self._lines.pop(batch_id, None)
             await self.records.retire(batch_id)
             return
+        taken_over = batch_id not in self._lines
         lines = await self._input(batch)
         if lines is None:
             return
         if batch.status == "validating":
             await self.records.transition(batch_id, "in_progress", "validating")
         sent, done = await self.records.progress(batch_id)
+        if taken_over:
+            await self.runner.watch(batch, [(lines[index], line_identifier(batch_id, index))
+                                            for index in range(sent) if index not in done])
         for index in range(sent):
             if index not in done:
                 identifier = line_identifier(batch_id, index)

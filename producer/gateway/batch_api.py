@@ -13,8 +13,10 @@ from producer.batches.driver import BatchDriver
 from producer.batches.input_file import InputLimits
 from producer.batches.records import BatchRecords
 from producer.batches.storage import FileStore
+from producer.client import CONNECT_TIMEOUT_S
 from producer.gateway.batch_runner import ChatTranslation, GatewayLineRunner
 from producer.gateway.errors import ApiError
+from producer.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from producer.gateway.app import Gateway
@@ -31,9 +33,14 @@ class BatchApi:
         self.records = BatchRecords(gateway.client.redis, settings.key_prefix, settings.file_retention_s)
         self._store = None if settings.files_dir is None else FileStore(
             gateway.client.redis, settings.key_prefix, settings.files_dir, settings.file_retention_s)
-        self.driver = None if self._store is None else BatchDriver(
-            self.records, self._store, GatewayLineRunner(gateway, chat), self.limits,
-            max_in_flight=settings.batch_max_in_flight, poll_s=settings.batch_poll_s, lease_s=settings.batch_lease_s)
+        self.watchdog: Watchdog | None = None
+        self.driver: BatchDriver | None = None
+        if self._store is not None:
+            self.watchdog = Watchdog(gateway.client.celery, settings.redis(socket_connect_timeout=CONNECT_TIMEOUT_S),
+                                     settings.batch_resend_after_s, settings.key_prefix)
+            self.driver = BatchDriver(self.records, self._store, GatewayLineRunner(gateway, chat, self.watchdog),
+                                      self.limits, max_in_flight=settings.batch_max_in_flight,
+                                      poll_s=settings.batch_poll_s, lease_s=settings.batch_lease_s)
 
     def ensure_enabled(self) -> None:
         """503 when this gateway has no files directory."""
@@ -55,10 +62,12 @@ class BatchApi:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """This process's batch driver, for the application's lifetime."""
-        if self.driver is None:
+        """This process's batch driver and its watchdog, for the application's lifetime."""
+        if self.driver is None or self.watchdog is None:
             yield
             return
+        watchdog = self.watchdog
+        watchdog.start()
         task = asyncio.create_task(self.driver.run(), name="batch-driver")
         try:
             yield
@@ -66,3 +75,5 @@ class BatchApi:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
+            await asyncio.to_thread(watchdog.stop)
+            watchdog.client.close()

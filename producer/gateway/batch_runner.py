@@ -25,6 +25,7 @@ from producer.gateway.errors import ApiError, invalid_request
 from producer.gateway.model_router import Target
 from producer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, chat_response, completion_response
 from producer.protocol import GenerationRequest, GenerationResult
+from producer.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from producer.gateway.app import Gateway
@@ -37,11 +38,30 @@ ChatTranslation = Callable[["Gateway", ChatCompletionRequest, str], Awaitable[tu
 
 
 class GatewayLineRunner:
-    def __init__(self, gateway: Gateway, chat: ChatTranslation) -> None:
+    """`watchdog` watches every line this process queued, or found queued when it took a batch
+    over, and sends a line the broker lost again (producer/watchdog.py)."""
+
+    def __init__(self, gateway: Gateway, chat: ChatTranslation, watchdog: Watchdog) -> None:
         self.gateway = gateway
         self.chat = chat
+        self.watchdog = watchdog
 
     async def send(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> list[tuple[BatchLine, LineAnswer]]:
+        prepared, refused = await self._prepare(batch, lines)
+        for queue, generations in prepared.items():
+            for handle in await self.gateway.client.submit_many(generations, queue=queue):
+                await handle.close()
+        self._track(prepared)
+        return refused
+
+    async def watch(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> None:
+        prepared, _ = await self._prepare(batch, lines)
+        self._track(prepared)
+
+    async def _prepare(self, batch: Batch, lines: list[tuple[BatchLine, str]]
+                       ) -> tuple[dict[str, list[GenerationRequest]], list[tuple[BatchLine, LineAnswer]]]:
+        """Each line's request by queue, at the batch priority and within the window; and the
+        lines refused, answered as their endpoint would answer them."""
         refused: list[tuple[BatchLine, LineAnswer]] = []
         by_queue: dict[str, list[GenerationRequest]] = defaultdict(list)
         for line, identifier in lines:
@@ -54,10 +74,14 @@ class GatewayLineRunner:
             if generation.timeout_s is None:
                 update["deadline"] = min(generation.deadline or batch.expires_at, batch.expires_at)
             by_queue[target.route.queue].append(generation.model_copy(update=update))
-        for queue, generations in by_queue.items():
-            for handle in await self.gateway.client.submit_many(generations, queue=queue):
-                await handle.close()
-        return refused
+        return by_queue, refused
+
+    def _track(self, prepared: dict[str, list[GenerationRequest]]) -> None:
+        for queue, generations in prepared.items():
+            for generation in generations:
+                assert generation.identifier is not None
+                kwargs = generation.to_kwargs()
+                self.watchdog.track(generation.identifier, kwargs, self.gateway.settings.queue_for(kwargs, queue))
 
     async def answer(self, batch: Batch, line: BatchLine, identifier: str) -> LineAnswer | None:
         snapshot = await self.gateway.client.handle(identifier).snapshot()

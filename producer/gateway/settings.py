@@ -90,6 +90,9 @@ class GatewaySettings(ClientSettings):
     batch_max_in_flight: int = Field(default=64, ge=1, description="lines of one batch queued or running at once; "
                                                                    "the next are queued as these end")
     batch_poll_s: float = Field(default=1.0, gt=0, le=60, description="how often a gateway steps the batches it drives")
+    batch_resend_after_s: float = Field(default=60.0, gt=0,
+                                        description="a queued batch line that shows no progress this long (the "
+                                                    "broker lost it) is sent again under its task id")
     batch_lease_s: float = Field(default=30.0, gt=0, description="a batch whose driving gateway stopped stepping it "
                                                                  "is taken over by another this long after")
 
