@@ -117,7 +117,7 @@ class BatchDriver:
                 answer = await self.runner.answer(batch, lines[index], identifier)
                 if answer is not None:
                     await self._record(batch_id, lines[index], answer, done)
-        if batch.status == "cancelling" or time.time() >= batch.expires_at:
+        if batch.status == "cancelling" or (batch.status != "finalizing" and time.time() >= batch.expires_at):
             outstanding = [index for index in range(sent) if index not in done]
             for index in outstanding:
                 await self.runner.cancel(line_identifier(batch_id, index))
@@ -167,9 +167,10 @@ class BatchDriver:
         done[line.index] = outcome
 
     async def _finish(self, batch: Batch, lines: list[BatchLine], sent: int, status: BatchStatus) -> None:
-        if status == "completed":
-            await self.records.transition(batch.id, "finalizing", "in_progress")
-        elif status == "expired":
+        if status == "completed" and batch.status != "finalizing" and not await self.records.transition(
+                batch.id, "finalizing", "in_progress"):
+            return  # cancelled meanwhile: the next step finishes it as cancelled
+        if status == "expired":
             expired = LineAnswer("error", error={"code": "batch_expired", "message": "the batch's completion "
                                                  "window ended before this request was run"})
             for line in lines[sent:]:
@@ -185,9 +186,9 @@ class BatchDriver:
                                                           "output_file_id": output_id, "error_file_id": error_id}))
         allowed: dict[str, tuple[BatchStatus, ...]] = {"completed": ("finalizing",), "cancelled": ("cancelling",),
                                                        "expired": ("in_progress",)}
-        await self.records.finish(batch.id, status, output_id, error_id, *allowed[status])
-        await self.store.drop_parts(batch.id)
-        self._lines.pop(batch.id, None)
+        if await self.records.finish(batch.id, status, output_id, error_id, *allowed[status]):
+            await self.store.drop_parts(batch.id)
+            self._lines.pop(batch.id, None)
 
     async def _write(self, batch: Batch, kind: str, lines: list[dict[str, Any]]) -> str | None:
         """The batch's output or error file (none for no lines), under an id derived from the batch's."""

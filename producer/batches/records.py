@@ -188,13 +188,17 @@ class BatchRecords:
         await self.transition(batch_id, "failed", "validating", "in_progress")
 
     async def finish(self, batch_id: str, status: BatchStatus, output_file_id: str | None,
-                     error_file_id: str | None, *allowed: BatchStatus) -> None:
-        """The batch's end: its files and final status; the record then lives as long as its files."""
+                     error_file_id: str | None, *allowed: BatchStatus) -> bool:
+        """The batch's end: its files and final status, if it is still in one of `allowed` (a
+        cancel may have come in between: then it stays active for the next step); the record
+        then lives as long as its files."""
         for name, value in (("output_file_id", output_file_id), ("error_file_id", error_file_id)):
             if value is not None:
                 await self.redis.hset(self._key(batch_id), name, value)
-        await self.transition(batch_id, status, *allowed)
+        if not await self.transition(batch_id, status, *allowed):
+            return False
         await self.retire(batch_id)
+        return True
 
     async def retire(self, batch_id: str) -> None:
         """An ended batch: no longer driven; its record and progress expire with its files."""
