@@ -307,3 +307,27 @@ def test_batch_lines_are_queued_at_the_batch_priority_with_the_window_as_deadlin
             assert batch["expires_at"] - batch["created_at"] == 24 * 3600
     finally:
         broker.delete(queue, *(f"{queue}\x06\x16{level}" for level in range(1, 10)))
+
+
+def test_a_batch_past_its_window_expires_with_its_unanswered_lines_in_the_error_file(
+        oai: openai.OpenAI, redis_url: str):
+    """The window's end, brought forward in the batch's record (the one 24 h window is too long
+    to wait for): the driver cancels the lines in flight and answers the rest batch_expired."""
+    lines = [chat_line(f"late-{i}", "go on", max_tokens=600, ignore_eos=True) for i in range(10)]
+    input_file = oai.files.create(file=("late.jsonl", jsonl(lines)), purpose="batch")
+    batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    wait_for(oai, batch.id, {"in_progress"}, timeout=30)
+    record = redis.Redis.from_url(redis_url, decode_responses=True)
+    fixed = json.loads(record.hget(f"genq:batch:{batch.id}", "fixed"))  # type: ignore[arg-type]
+    record.hset(f"genq:batch:{batch.id}", "fixed", json.dumps({**fixed, "expires_at": int(time.time())}))
+    done = wait_for(oai, batch.id, {"expired", "completed"}, timeout=120)
+    assert done.status == "expired" and done.expired_at is not None
+    assert done.request_counts.completed + done.request_counts.failed == 10
+    errors = output_lines(oai, done.error_file_id)
+    assert len(errors) == done.request_counts.failed >= 6  # at most 4 lines were queued before the end
+    assert {answer["error"]["code"] for answer in errors} == {"batch_expired"}
+    answered = [answer["custom_id"] for answer in errors]
+    if done.output_file_id is not None:
+        answered += [answer["custom_id"] for answer in output_lines(oai, done.output_file_id)]
+    assert sorted(answered) == sorted(line["custom_id"] for line in lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -88,12 +89,14 @@ class GatewayLineRunner:
         if snapshot.state not in states.READY_STATES:
             return None
         result = snapshot.result
-        if snapshot.state == states.REVOKED or (result is not None and result.finish_reason == "cancelled"):
-            return LineAnswer("error", error={"code": "batch_cancelled",
-                                              "message": "the batch was cancelled before this request finished"})
-        if result is not None and result.finish_reason == "deadline":
+        cut = snapshot.state == states.REVOKED or (result is not None and result.finish_reason in ("cancelled",
+                                                                                                  "deadline"))
+        if cut and (time.time() >= batch.expires_at or (result is not None and result.finish_reason == "deadline")):
             return LineAnswer("error", error={"code": "batch_expired",
                                               "message": "the batch's completion window ended during this request"})
+        if cut:
+            return LineAnswer("error", error={"code": "batch_cancelled",
+                                              "message": "the batch was cancelled before this request finished"})
         if result is None:
             # Nearly always the request's fault, answered 400 as the endpoint answers it.
             failed = ApiError(400, "generation_failed", snapshot.error or "the generation failed")
