@@ -25,7 +25,7 @@ from producer.signing import verify
 from tests.gateway_service import MODEL, QUEUE, SECRET, TOKEN, GatewayProcess, Receiver, bearer, service_env
 from worker.processes import WorkerProcess
 
-MAX_LINES = 30
+MAX_LINES = 200
 MAX_LINE_BYTES = 4096
 
 
@@ -331,3 +331,22 @@ def test_a_batch_past_its_window_expires_with_its_unanswered_lines_in_the_error_
     if done.output_file_id is not None:
         answered += [answer["custom_id"] for answer in output_lines(oai, done.output_file_id)]
     assert sorted(answered) == sorted(line["custom_id"] for line in lines)
+
+
+def test_a_200_line_batch_answers_every_line_once_while_interactive_requests_are_answered_before_it_ends(
+        oai: openai.OpenAI, genq: GenqClient):
+    lines = [chat_line(f"bulk-{i}", f"item {i}", max_tokens=8, ignore_eos=True) for i in range(200)]
+    input_file = oai.files.create(file=("bulk.jsonl", jsonl(lines)), purpose="batch")
+    batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    wait_for(oai, batch.id, {"in_progress"}, timeout=30)
+    for i in range(3):  # each answered while the batch still runs: it never waits behind the batch's backlog
+        answer = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"now {i}"}],
+                                             max_tokens=8)
+        assert answer.choices[0].message.content is not None
+        assert oai.batches.retrieve(batch.id).status == "in_progress"
+    done = wait_for(oai, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=600)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 200, 0)
+    answers = output_lines(oai, done.output_file_id)
+    assert sorted(answer["custom_id"] for answer in answers) == sorted(line["custom_id"] for line in lines)
+    assert attempts(genq, batch.id, 200) == [1] * 200
