@@ -350,3 +350,20 @@ def test_a_200_line_batch_answers_every_line_once_while_interactive_requests_are
     answers = output_lines(oai, done.output_file_id)
     assert sorted(answer["custom_id"] for answer in answers) == sorted(line["custom_id"] for line in lines)
     assert attempts(genq, batch.id, 200) == [1] * 200
+
+
+def test_files_and_batches_list_newest_first_in_pages(oai: openai.OpenAI):
+    files = [oai.files.create(file=(f"page-{i}.jsonl", jsonl([chat_line("p", f"page {i}")])), purpose="batch")
+             for i in range(3)]
+    batches = [oai.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+               for file in files]
+    first = oai.files.list(limit=2, purpose="batch")
+    assert [file.id for file in first.data] == [files[2].id, files[1].id] and first.has_more
+    second = oai.files.list(limit=1, purpose="batch", after=first.data[-1].id)
+    assert [file.id for file in second.data] == [files[0].id]
+    first_batches = oai.batches.list(limit=2)
+    assert [batch.id for batch in first_batches.data] == [batches[2].id, batches[1].id] and first_batches.has_more
+    second_batches = oai.batches.list(limit=1, after=first_batches.data[-1].id)
+    assert [batch.id for batch in second_batches.data] == [batches[0].id]
+    for batch in batches:
+        assert wait_for(oai, batch.id, {"completed"}).request_counts.completed == 1

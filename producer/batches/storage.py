@@ -67,7 +67,7 @@ class FileStore:
         await anyio.to_thread.run_sync(_write_atomically, self.path(file.id), content)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self._meta_key(file.id), file.model_dump_json(), exat=file.expires_at)
-            pipe.zadd(self._listing, {file.id: now})
+            pipe.zadd(self._listing, {file.id: time.time()})  # finer than created_at: the listing's order
             pipe.zadd(self._expiry, {file.id: file.expires_at})
             await pipe.execute()
         return file
