@@ -89,12 +89,11 @@ class GatewayLineRunner:
         if snapshot.state not in states.READY_STATES:
             return None
         result = snapshot.result
-        cut = snapshot.state == states.REVOKED or (result is not None and result.finish_reason in ("cancelled",
-                                                                                                  "deadline"))
-        if cut and (time.time() >= batch.expires_at or (result is not None and result.finish_reason == "deadline")):
+        reason = "cancelled" if snapshot.state == states.REVOKED else result.finish_reason if result else None
+        if reason == "deadline" or (reason == "cancelled" and time.time() >= batch.expires_at):
             return LineAnswer("error", error={"code": "batch_expired",
                                               "message": "the batch's completion window ended during this request"})
-        if cut:
+        if reason == "cancelled":
             return LineAnswer("error", error={"code": "batch_cancelled",
                                               "message": "the batch was cancelled before this request finished"})
         if result is None:
