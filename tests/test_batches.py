@@ -154,6 +154,7 @@ def test_a_batch_of_twenty_chat_lines_answers_every_line_exactly_once_and_calls_
     assert attempts(genq, batch.id, 20) == [1] * 20
     (headers, raw), *_ = state.wait("/batch-done", 3)[-1:]  # two 500s, then delivered
     assert verify(SECRET, raw, headers["X-Genq-Timestamp"], headers["X-Genq-Signature"], window_s=300)
+    assert (headers["X-Genq-Event"], headers["X-Genq-Delivery"]) == ("batch.completed", f"{batch.id}-webhook")
     delivered = json.loads(raw)
     assert (delivered["id"], delivered["event"]) == (batch.id, "batch.completed")
     assert delivered["batch"]["status"] == "completed"
