@@ -15,7 +15,9 @@ request, its retries and its backoff run here, on a CPU worker:
 
 The body is JSON, ``{"id", "event", "state", "result", "error"}``: on success the
 task's GenerationResult (cancelled requests included, finish_reason "cancelled"),
-on failure the worker's error message. Network errors, 408, 429 and 5xx answers
+on failure the worker's error message. The end of a batch (the gateway's batch driver sends it,
+producer/gateway/batch_runner.py) is ``{"id", "event": "batch.<status>", "batch": <Batch object>}``.
+Network errors, 408, 429 and 5xx answers
 are retried with exponential backoff and jitter; any other 4xx is final (the
 receiver refused the payload, sending it again would not help). Each try is
 signed anew (timestamp = send time) and carries the same `X-Genq-Delivery` id,
@@ -51,7 +53,8 @@ EVENT_HEADER = "X-Genq-Event"
 DELIVERY_HEADER = "X-Genq-Delivery"
 RETRYABLE_STATUSES = frozenset({408, 425, 429})
 
-CallbackEvent = Literal["generation.succeeded", "generation.failed"]
+CallbackEvent = Literal["generation.succeeded", "generation.failed", "batch.completed", "batch.expired",
+                        "batch.cancelled"]
 
 
 class CallbackSettings(ClientSettings):
@@ -149,6 +152,9 @@ def post(target: CallbackTarget, body: bytes, headers: dict[str, str], timeout_s
 
 
 def _payload(app: Celery, outcome: dict[str, Any] | str, identifier: str, event: CallbackEvent) -> dict[str, Any]:
+    if event.startswith("batch."):
+        assert isinstance(outcome, dict), "a batch's end is sent with its Batch object"
+        return {"id": identifier, "event": event, "batch": outcome}
     if event == "generation.succeeded":
         assert isinstance(outcome, dict), "a link receives the result dict on success"
         result = GenerationResult.from_dict(outcome)

@@ -25,6 +25,8 @@ FORBIDDEN = {
     "kernels": {"engine", "worker", "producer"},
     "engine": {"worker", "producer", "celery", "redis"},
     "producer": {"engine", "kernels", "worker", "torch", "triton"},
+    # The Batch API's storage and driver see no HTTP: the gateway hands the driver its LineRunner.
+    "producer/batches": {"engine", "kernels", "worker", "torch", "triton", "fastapi", "starlette", "celery"},
     "image_input": {"chat_template", "engine", "kernels", "worker", "producer", "genq_dev", "torch", "triton",
                     "celery", "redis"},
 }
@@ -158,3 +160,11 @@ def test_producer_runs_where_torch_is_not_installed(tmp_path: Path):
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-I", "-S", "-c", code], cwd=tmp_path, check=True)
+
+
+def test_the_batch_driver_never_imports_the_gateway():
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path) if m.startswith("producer.gateway"))
+        for path in (ROOT / "producer" / "batches").rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}

@@ -40,19 +40,23 @@ from producer.client import (
 from producer.gateway import sse
 from producer.gateway.access import TaskRecords
 from producer.gateway.auth import (
+    caller_of,
     forget_signature,
     require_gateway_token,
     require_task_access,
     require_webhook_auth,
 )
+from producer.gateway.batch_api import BatchApi
+from producer.gateway.batches import batches_router
 from producer.gateway.completions import completions_router
 from producer.gateway.constraints import ConstraintChecker
 from producer.gateway.errors import CLIENT_CLOSED_REQUEST, ApiError, BodyLimit, ErrorBody, install_handlers
+from producer.gateway.files import files_router
 from producer.gateway.images import ImageRefused, check_images, image_url_parts, resolve_images
 from producer.gateway.logs import redact_access_log
 from producer.gateway.metrics import GatewayMetrics, MetricsMiddleware
 from producer.gateway.model_limits import check_request
-from producer.gateway.model_router import ModelRouter
+from producer.gateway.model_router import ModelRouter, Target
 from producer.gateway.openai_api import (
     STREAM_FAILURES,
     ChatChunkChoice,
@@ -212,6 +216,14 @@ async def _gateway_token(request: Request) -> None:
     await require_gateway_token(gateway.settings, request, gateway.client.redis)
 
 
+async def _admin_token(request: Request) -> None:
+    """The Files and Batch APIs: the gateway (admin) token only, until files and batches are kept
+    per tenant (an API key would otherwise see every tenant's)."""
+    await _gateway_token(request)
+    if caller_of(request).key is not None:
+        raise ApiError(403, "permission_denied", "the Files and Batch APIs take the gateway token, not an API key")
+
+
 async def _task_access(request: Request, task_id: Annotated[str, Path(pattern=IDENTIFIER_PATTERN)]) -> str:
     gateway: Gateway = request.app.state.gateway
     await require_task_access(gateway.settings, request, task_id, gateway.records)
@@ -226,16 +238,19 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     gateway = Gateway(settings)
 
+    batch_api = BatchApi(gateway, chat_generation)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
+        async with batch_api.running():
+            yield
         await gateway.close()
 
     app = FastAPI(title="genq gateway", version="1", lifespan=lifespan,
                   description="Webhooks, SSE streams and OpenAI-compatible endpoints for the genq queue.")
     app.state.gateway = gateway
     redact_access_log()
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, larger=batch_api.upload_limits)
     metrics = GatewayMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(RateLimitHeaders)
@@ -316,6 +331,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         """OpenAI's chat completions; the worker renders the messages with the model's chat template."""
         return await _chat(gateway, request, body)
 
+    app.include_router(files_router(batch_api, _admin_token, ERROR_RESPONSES))
+    app.include_router(batches_router(batch_api, _admin_token, ERROR_RESPONSES,
+                                      partial(_callback_url, allow_private=settings.callback_allow_private_hosts)))
     app.include_router(tokens_router(gateway.router, partial(parse_request, gateway.constraints, status=400),
                                      settings),
                        dependencies=[Depends(_gateway_token)])
@@ -469,7 +487,11 @@ async def _task_sse(events: AsyncGenerator[StreamEvent, None], after: EventKey |
         yield sse.resume(_event_id(after), str(behind))
 
 
-async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest) -> Any:
+async def chat_generation(gateway: Gateway, body: ChatCompletionRequest, identifier: str
+                          ) -> tuple[GenerationRequest, Target, int]:
+    """A chat completion request as the genq request it runs as, checked against the model's card,
+    where it goes, and its prompt's token count (0 without a card): the one translation of
+    `/v1/chat/completions` (the batch lines' too)."""
     settings = gateway.settings
     target = await gateway.router.resolve(body.model)
     limits = await target.cards.current()
@@ -483,7 +505,6 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
         raise ApiError(400, error.code, str(error), param=error.param) from None
     except ImageRefused as error:
         raise ApiError(400, "invalid_image", str(error), param=error.param) from None
-    identifier = f"chatcmpl-{uuid.uuid4().hex}"
     names = body.param_names()
     fields = routed(fields, target)
     if fields.get("tools") is not None and limits is not None and limits.tool_format is not None:
@@ -495,6 +516,13 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
                                      names=names)
     # Before anything is queued: a streamed request is answered 200 as soon as it is.
     prompt_tokens = 0 if limits is None else await check_request(limits, generation, status=400, names=names)
+    return generation, target, prompt_tokens
+
+
+async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest) -> Any:
+    settings = gateway.settings
+    identifier = f"chatcmpl-{uuid.uuid4().hex}"
+    generation, target, prompt_tokens = await chat_generation(gateway, body, identifier)
     await gateway.admit(target.route.queue)
     generation, = await gateway.tenancy.admit(request, [generation], [prompt_tokens])
     if body.stream:

@@ -61,6 +61,7 @@ from producer.protocol import GenerationRequest, GenerationResult, StreamEvent, 
 
 if TYPE_CHECKING:
     from producer.gateway.app import Gateway
+    from producer.gateway.model_router import Target
 
 
 def completions_router(gateway_token: Any, error_responses: Mapping[int | str, dict[str, Any]]) -> APIRouter:
@@ -76,21 +77,29 @@ def completions_router(gateway_token: Any, error_responses: Mapping[int | str, d
     return router
 
 
-async def _complete(gateway: Gateway, request: Request, body: CompletionRequest) -> Any:
-    settings = gateway.settings
+async def completion_generations(gateway: Gateway, body: CompletionRequest, identifier: str
+                                 ) -> tuple[list[tuple[GenerationRequest, int]], Echo, Target]:
+    """A completions request as the genq requests it runs as (one per prompt: `identifier`, or
+    `<identifier>-<i>` for a list), each checked against the model's card, with its prompt's token
+    count; what the answer shows of
+    the prompts; and where they go: the one translation of `/v1/completions` (the batch lines' too)."""
     target = await gateway.router.resolve(body.model)
     try:
-        fields = body.to_request_fields(settings.ignore_unknown_params)
+        fields = body.to_request_fields(gateway.settings.ignore_unknown_params)
         prompts = body.prompts()
     except UnsupportedParameter as error:
         raise ApiError(400, error.code, str(error), param=error.param) from None
-    identifier = f"cmpl-{uuid.uuid4().hex}"
     fields = routed(fields, target)
     limits = await target.cards.current()
     checked = [await _checked(gateway, limits, body, {**fields, _prompt_field(prompt): prompt},
                               identifier if len(prompts) == 1 else f"{identifier}-{i}", i)
                for i, prompt in enumerate(prompts)]
-    echo = await _echo(limits, body, prompts)
+    return checked, await _echo(limits, body, prompts), target
+
+
+async def _complete(gateway: Gateway, request: Request, body: CompletionRequest) -> Any:
+    identifier = f"cmpl-{uuid.uuid4().hex}"
+    checked, echo, target = await completion_generations(gateway, body, identifier)
     await gateway.admit(target.route.queue)
     generations = await gateway.tenancy.admit(request, [g for g, _ in checked], [tokens for _, tokens in checked])
     if body.stream:

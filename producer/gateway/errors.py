@@ -8,7 +8,7 @@ their usual exceptions and webhook senders parse one format:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client left before the answer; logged, never received."""
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/files", "/v1/batches", "/tokenize",
+                "/detokenize")
 """OpenAI (and vLLM, for /tokenize) answers invalid requests with 400; the native endpoints use
 422, as FastAPI does."""
 REDIS_RETRY_AFTER_S = 2
@@ -60,11 +61,21 @@ class ApiError(Exception):
         self.kind = kind or _TYPES.get(status, "server_error")
         """The body's `type`: the status's, unless OpenAI answers otherwise (model_not_found)."""
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
         detail = ErrorDetail(message=self.message, type=self.kind, code=self.code,
                              param=self.param, problems=self.problems)
-        return JSONResponse(ErrorBody(error=detail).model_dump(exclude_none=True), status_code=self.status,
-                            headers=self.headers)
+        return ErrorBody(error=detail).model_dump(exclude_none=True)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(status: int, errors: Sequence[Any]) -> ApiError:
+    """pydantic's validation errors as one ApiError: every problem, the first one's field as param."""
+    problems = [f"{_location(e['loc'])}: {e['msg']}" for e in errors]
+    first = errors[0]["loc"] if errors else ()
+    return ApiError(status, "invalid_request", "\n".join(problems), param=_location(first) if first else None,
+                    problems=problems)
 
 
 def validation_status(path: str) -> int:
@@ -83,10 +94,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        problems = [f"{_location(e['loc'])}: {e['msg']}" for e in error.errors()]
-        first = error.errors()[0]["loc"] if error.errors() else ()
-        return ApiError(validation_status(request.url.path), "invalid_request", "\n".join(problems),
-                        param=_location(first) if first else None, problems=problems).response()
+        return invalid_request(validation_status(request.url.path), error.errors()).response()
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, error: ClientDisconnect) -> Response:
@@ -113,32 +121,33 @@ def install_handlers(app: FastAPI) -> None:
 
 class BodyLimit:
     """413 for a request body over `max_bytes`, as a JSON error: at once when Content-Length says
-    so, else when the bytes read pass the limit (a chunked body has no Content-Length)."""
+    so, else when the bytes read pass the limit (a chunked body has no Content-Length). `larger`
+    gives paths a limit of their own (a file upload's), with the setting a refusal names."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: Mapping[str, tuple[int, str]] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
-
-    def _message(self) -> str:
-        return f"the request body exceeds {self.max_bytes} bytes (GENQ_GATEWAY_MAX_BODY_BYTES)"
+        self.default = (max_bytes, "GENQ_GATEWAY_MAX_BODY_BYTES")
+        self.larger = dict(larger or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, setting = self.larger.get(scope["path"], self.default)
+        message = f"the request body exceeds {max_bytes} bytes ({setting})"
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await ApiError(413, "body_too_large", self._message()).response()(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await ApiError(413, "body_too_large", message).response()(scope, receive, send)
             return
         received = 0
 
         async def counting_receive() -> Message:
             nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
+            message_ = await receive()
+            received += len(message_.get("body", b""))
+            if received > max_bytes:
                 # Raised inside a handler's body read; FastAPI lets an HTTPException through as it is.
-                raise HTTPException(413, self._message())
-            return message
+                raise HTTPException(413, message)
+            return message_
 
         await self.app(scope, counting_receive, send)

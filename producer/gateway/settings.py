@@ -4,13 +4,14 @@ secret, callback queue and callback address policy) for what it must agree on wi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from producer.callbacks import DEFAULT_CALLBACK_QUEUE
-from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE
+from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE, MAX_PRIORITY, MIN_PRIORITY
 from producer.settings import ClientSettings
 
 
@@ -80,6 +81,25 @@ class GatewaySettings(ClientSettings):
                                             "end is never reported (a purged queue); longer than any task runs")
     usage_max_hours: int = Field(default=744, ge=1, le=8784,
                                  description="most hours one `GET /v1/usage` answers (400 past it)")
+    files_dir: Path | None = Field(default=None, description="directory the Files API keeps uploads and batch "
+                                                             "outputs in (shared by every gateway replica); "
+                                                             "unset: /v1/files and /v1/batches answer 503")
+    file_retention_s: int = Field(default=30 * 86400, ge=60, description="an uploaded or output file is deleted "
+                                                                       "this long after it was made (its expires_at)")
+    file_max_bytes: int = Field(default=64 * 2**20, ge=1024, description="largest batch input file; 413 past it")
+    batch_max_lines: int = Field(default=50_000, ge=1, description="most requests in one batch input file")
+    batch_max_line_bytes: int = Field(default=2**20, ge=256, description="longest line of a batch input file")
+    batch_priority: int = Field(default=MAX_PRIORITY, ge=MIN_PRIORITY, le=MAX_PRIORITY,
+                                description="the protocol priority of a batch's tasks (0 most urgent): below "
+                                            "interactive traffic by default")
+    batch_max_in_flight: int = Field(default=64, ge=1, description="lines of one batch queued or running at once; "
+                                                                   "the next are queued as these end")
+    batch_poll_s: float = Field(default=1.0, gt=0, le=60, description="how often a gateway steps the batches it drives")
+    batch_resend_after_s: float = Field(default=60.0, gt=0,
+                                        description="a queued batch line that shows no progress this long (the "
+                                                    "broker lost it) is sent again under its task id")
+    batch_lease_s: float = Field(default=30.0, gt=0, description="a batch whose driving gateway stopped stepping it "
+                                                                 "is taken over by another this long after")
 
     webhook_secret: SecretStr | None = Field(default=None, validation_alias="GENQ_WEBHOOK_SECRET",
                                              description="HMAC key of webhook signatures and callbacks")

@@ -1,0 +1,162 @@
+"""Files of the Files API: their bytes in a directory (GENQ_GATEWAY_FILES_DIR), their metadata
+(OpenAI's File object) in Redis, and nothing else there. A file's metadata key expires at the
+file's `expires_at`; a sorted set by expiry lets `sweep` delete the bytes of expired files, and a
+read of an expired file finds nothing. Bytes are written to a temporary name and renamed, so a
+crash never leaves half a file under a file's name. The per-line answers of a running batch live
+in the same directory (`parts/<batch id>/<line>.json`) until the batch's output files are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import anyio
+import redis.asyncio
+from pydantic import BaseModel
+
+FILE_ID_PATTERN = r"^file-[A-Za-z0-9_-]{1,80}$"
+FilePurpose = Literal["batch", "batch_output"]
+
+
+class FileObject(BaseModel):
+    """OpenAI's File object."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: FilePurpose
+    status: Literal["processed"] = "processed"
+    status_details: str | None = None
+
+
+class FileStore:
+    def __init__(self, redis_: redis.asyncio.Redis, key_prefix: str, directory: Path, retention_s: int) -> None:
+        self.redis = redis_
+        self.prefix = key_prefix
+        self.directory = directory
+        self.retention_s = retention_s
+
+    def _meta_key(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    @property
+    def _listing(self) -> str:
+        return f"{self.prefix}:files"
+
+    @property
+    def _expiry(self) -> str:
+        return f"{self.prefix}:files:expiry"
+
+    def path(self, file_id: str) -> Path:
+        return self.directory / f"{file_id}.jsonl"
+
+    async def create(self, content: bytes, filename: str, purpose: FilePurpose, file_id: str | None = None
+                     ) -> FileObject:
+        """Store `content` as a new file (or again under `file_id`, the same bytes: idempotent)."""
+        now = int(time.time())
+        file = FileObject(id=file_id or f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=now,
+                          expires_at=now + self.retention_s, filename=filename, purpose=purpose)
+        await anyio.to_thread.run_sync(_write_atomically, self.path(file.id), content)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._meta_key(file.id), file.model_dump_json(), exat=file.expires_at)
+            pipe.zadd(self._listing, {file.id: time.time()})  # finer than created_at: the listing's order
+            pipe.zadd(self._expiry, {file.id: file.expires_at})
+            await pipe.execute()
+        return file
+
+    async def get(self, file_id: str) -> FileObject | None:
+        raw = await self.redis.get(self._meta_key(file_id))
+        return None if raw is None else FileObject.model_validate_json(raw)
+
+    async def read(self, file_id: str) -> bytes | None:
+        """The file's bytes, None if it does not exist (or has expired)."""
+        if await self.get(file_id) is None:
+            return None
+        try:
+            return await anyio.to_thread.run_sync(self.path(file_id).read_bytes)
+        except FileNotFoundError:
+            return None
+
+    async def page(self, after: str | None, limit: int, purpose: str | None) -> tuple[list[FileObject], bool]:
+        """Files newest first, those after the file `after`, at most `limit`; and whether more follow."""
+        start = 0
+        if after is not None:
+            rank = cast(int | None, await self.redis.zrevrank(self._listing, after))
+            start = 0 if rank is None else rank + 1
+        files: list[FileObject] = []
+        while len(files) <= limit:
+            ids = cast(list[str], await self.redis.zrevrange(self._listing, start, start + 2 * limit))
+            if not ids:
+                break
+            start += len(ids)
+            for raw in await self.redis.mget([self._meta_key(i) for i in ids]):
+                if raw is None:
+                    continue  # expired: sweep removes it from the listing
+                file = FileObject.model_validate_json(raw)
+                if purpose is None or file.purpose == purpose:
+                    files.append(file)
+        return files[:limit], len(files) > limit
+
+    async def delete(self, file_id: str) -> bool:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._meta_key(file_id))
+            pipe.zrem(self._listing, file_id)
+            pipe.zrem(self._expiry, file_id)
+            existed, _, _ = await pipe.execute()
+        await anyio.to_thread.run_sync(_unlink, self.path(file_id))
+        return bool(existed)
+
+    async def sweep(self) -> int:
+        """Delete the files whose retention has passed; how many."""
+        expired = cast(list[str], await self.redis.zrangebyscore(self._expiry, 0, int(time.time())))
+        for file_id in expired:
+            await self.delete(file_id)
+        return len(expired)
+
+    # --- a running batch's per-line answers ------------------------------------------------
+
+    def _parts(self, batch_id: str) -> Path:
+        return self.directory / "parts" / batch_id
+
+    async def write_part(self, batch_id: str, index: int, kind: Literal["output", "error"],
+                         line: dict[str, Any]) -> None:
+        data = json.dumps({"kind": kind, "line": line}, separators=(",", ":")).encode()
+        await anyio.to_thread.run_sync(_write_atomically, self._parts(batch_id) / f"{index}.json", data)
+
+    async def read_parts(self, batch_id: str, count: int) -> list[tuple[str, dict[str, Any]]]:
+        """The answers of lines 0..count-1 that have one, in line order."""
+        def read() -> list[tuple[str, dict[str, Any]]]:
+            parts = []
+            for index in range(count):
+                try:
+                    part = json.loads((self._parts(batch_id) / f"{index}.json").read_bytes())
+                except FileNotFoundError:
+                    continue
+                parts.append((part["kind"], part["line"]))
+            return parts
+        return await anyio.to_thread.run_sync(read)
+
+    async def drop_parts(self, batch_id: str) -> None:
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(self._parts(batch_id), ignore_errors=True))
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(temporary, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
