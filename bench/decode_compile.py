@@ -26,13 +26,11 @@ import matplotlib
 import torch
 from bench_common import (
     RESULTS_DIR,
+    bench_main,
     ensure_model,
-    load_average,
-    machine_info,
     progress,
     save_figure,
-    warn_if_busy,
-    write_results,
+    start_run,
 )
 from host_overhead import ForwardTimer, sampler_timer
 from host_overhead import measure as measure_step
@@ -73,9 +71,7 @@ def measure_mode(gen: Generator, batches: Sequence[int], steps: int, warmup: int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     path = ensure_model(args.preset)
     batches = BATCHES[:2] if args.quick else BATCHES
     steps = 8 if args.quick else args.steps
@@ -99,7 +95,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": __doc__,
         "machine": machine,
-        "load_average_at_end": load_average(),
         "threads": args.threads,
         "preset": args.preset,
         "modes": modes,
@@ -130,10 +125,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    results = run(args)
-    write_results(results, args.out, "decode_compile", args.quick, plot, table)
+main = bench_main("decode_compile", parse_args, run, plot, table)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, grouped_bars, load_average, machine_info, progress, save_figure, write_results
+from bench_common import RESULTS_DIR, bench_main, grouped_bars, machine_info, progress, save_figure
 
 from engine.tokenizer import Tokenizer
 
@@ -209,7 +209,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             progress(f"  {kind}: {per_kind[kind]}")
         results["libraries"][library.name] = {"tokenizer_setup_s": round(setup_s, 3), "kinds": per_kind}
-    results["load_average_at_end"] = load_average()
     return results
 
 
@@ -243,9 +242,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    write_results(run(args), args.out, "grammar_libraries", False, plot, table)
+main = bench_main("grammar_libraries", parse_args, run, plot, table)
 
 
 if __name__ == "__main__":

@@ -63,11 +63,10 @@ from bench_common import (
     RESULTS_DIR,
     ensure_model,
     load_average,
-    machine_info,
     progress,
     save_figure,
     side_by_side,
-    warn_if_busy,
+    start_run,
     write_results,
 )
 
@@ -210,9 +209,7 @@ def _p90(values: list[float]) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     global _clock
     _clock = args.clock
-    torch.set_num_threads(args.threads)
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     path = ensure_model(args.preset)
     steps = 10 if args.quick else args.steps
     cache_tokens = max(BATCHES) * (PROMPT_TOKENS + steps + args.warmup + 16)
@@ -227,8 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             points.append(measure(gen, timer, sampler, num_jobs, mode, steps, args.warmup))
             progress(f"  host {points[-1]['host_ms']} ms, forward {points[-1]['forward_ms']} ms (medians)")
     return {
-        "machine": machine,
-        "load_average_at_end": load_average(),
+        "machine": {**machine, "load_average_at_end": load_average()},
         "threads": args.threads,
         "clock": args.clock,
         "overlap": args.overlap,

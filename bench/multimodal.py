@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import bench_parser, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
+from bench_common import bench_parser, machine_info, progress, save_figure, warn_if_busy, write_results
 from PIL import Image
 
 from engine import Generator, Job
@@ -168,7 +168,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "max_new_tokens": args.max_new_tokens, "page_size": PAGE_SIZE,
                                "tokens_per_image": json.loads((model / "config.json").read_text())["image_seq_length"],
                                "model": "genq_dev/tiny_vlm.py llava (random weights)"}
-    results["machine"]["load_average_at_end"] = load_average()
     write_results(results, args.out, "multimodal", args.quick, plot, markdown_table)
     return 0
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import ensure_model, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
+from bench_common import ensure_model, machine_info, progress, save_figure, warn_if_busy, write_results
 
 from producer.client import GenqClient
 from worker.processes import RedisServer, WorkerProcess
@@ -173,7 +173,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp), persistence="none") as server:
         for mode in ("shared", "routed"):
             results["modes"][mode] = run_mode(mode, model, args, server.url, Path(tmp), cache_tokens)
-    results["machine"]["load_average_at_end"] = load_average()
     write_results(results, args.out, "prefix_routing", args.quick, plot, markdown_table)
     return 0
 

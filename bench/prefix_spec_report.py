@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import number_cell, percentiles_cell, side_by_side  # noqa: E402
+from bench_common import measured_when, number_cell, percentiles_cell, side_by_side  # noqa: E402
 
 _DEDUP_LABELS = {"dedup_off": "dedup off", "dedup_on": "dedup on"}
 _SPEC_COLORS = ["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:purple"]
@@ -100,11 +100,10 @@ def markdown_table(results: dict[str, Any]) -> str:
     if "speculation" in results:
         lines += speculation_table(results["speculation"]) + [""]
     machine, settings = results["machine"], results["settings"]
-    load = machine["load_average_at_start"]
     lines.append(
         f"{settings['model']} llama ({settings['parameters'] / 1e6:.1f}M parameters), fp32; {machine['cpu_model']}, "
         f"torch threads: {machine['torch_threads']}, torch {machine['torch']}; best of {settings['repeats']} "
-        f"repetition(s); load average at start {load[0] if load else 'n/a'}; {machine['date']}."
+        f"repetition(s); {measured_when(machine)}."
     )
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, write_results
+from bench_common import RESULTS_DIR, machine_info, progress, write_results
 
 import kernels
 from engine import Generator, Job
@@ -234,7 +234,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     results["cache"] = cache_rows(path, load_model(path), ids, prompts, args.new_tokens)
     results["weights"] = weight_rows(path, ids, prompts, args.new_tokens)
     results["seconds"] = math.ceil(time.perf_counter() - started)
-    results["load_average_at_end"] = load_average()
     write_results(results, args.out, "quantization", args.quick, plot, table)
 
 

@@ -27,16 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
-import torch
 from bench_common import (
     RESULTS_DIR,
+    bench_main,
     grouped_bars,
-    load_average,
-    machine_info,
     progress,
     save_figure,
-    warn_if_busy,
-    write_results,
+    start_run,
 )
 
 from engine import Constraint, Generator, Job
@@ -127,9 +124,7 @@ def _valid_json(text: str | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     if args.model is None:
         from genq_dev.demo_model import fetch_smollm2
 
@@ -143,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress(f"batch {batch}")
         points.append(measure(args.model, prompts, batch, args.repeats))
         progress(f"  {points[-1]}")
-    return {"method": __doc__, "machine": machine, "load_average_at_end": load_average(), "model": args.model.name,
+    return {"method": __doc__, "machine": machine, "model": args.model.name,
             "threads": args.threads, "schema": SCHEMA, "points": points}
 
 
@@ -170,9 +165,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    write_results(run(args), args.out, "structured_output", False, plot, table)
+main = bench_main("structured_output", parse_args, run, plot, table)
 
 
 if __name__ == "__main__":
