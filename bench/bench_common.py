@@ -215,27 +215,34 @@ def side_by_side(ticks: int, series: int, index: int) -> tuple[list[float], floa
     return [j + (index - (series - 1) / 2) * width for j in range(ticks)], width
 
 
-def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, list[float]]) -> None:
-    """One bar per series at each label, side by side; the labels as ticks and a legend of the series."""
-    for i, (name, values) in enumerate(series.items()):
-        xs, width = side_by_side(len(labels), len(series), i)
-        ax.bar(xs, values, width, label=name)
-    ax.set_xticks(range(len(labels)), labels)
+def bar_chart(path: Path, labels: Sequence[str], series: dict[str, list[float]], ylabel: str, title: str,
+              figsize: tuple[float, float] = (6, 4)) -> None:
+    """A figure of one panel: each series' bars side by side at each label (percentile_bars), with a
+    legend of the series, the y label and the title, written to `path` (save_figure)."""
+    import matplotlib.pyplot as plt  # the benchmark chose the backend when it imported pyplot
+
+    fig, ax = plt.subplots(figsize=figsize)
+    percentile_bars(ax, labels, series)
     ax.legend()
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    save_figure(fig, path)
 
 
-def percentile_bars(ax: Any, ticks: Sequence[str], series: dict[str, list[Any]], colors: Sequence[str],
-                    markers: dict[str, str]) -> list[Any]:
-    """Bar series side by side at each tick (a legend label and a color each); returns the bar
-    containers. A value is a number (the bar's height), a percentile dict (p50 the bar, and each
-    percentile of `markers` a black marker of its kind, e.g. {"p99": "x"}) or None (no bar there)."""
+def percentile_bars(ax: Any, ticks: Sequence[str], series: dict[str, list[Any]], colors: Sequence[str] | None = None,
+                    markers: dict[str, str] | None = None) -> list[Any]:
+    """Bar series side by side at each tick (a legend label and a color each, by default the style's
+    cycle); returns the bar containers. A value is a number (the bar's height), a percentile dict
+    (p50 the bar, and each percentile of `markers` a black marker of its kind, e.g. {"p99": "x"}) or
+    None (no bar there)."""
     containers = []
-    for k, ((name, values), color) in enumerate(zip(series.items(), colors)):
+    for k, (name, values) in enumerate(series.items()):
+        color = colors[k] if colors is not None else None
         positions, width = side_by_side(len(ticks), len(series), k)
         shown = [(x, value) for x, value in zip(positions, values) if value is not None]
         heights = [(value["p50"] or 0.0) if isinstance(value, dict) else value for _, value in shown]
         containers.append(ax.bar([x for x, _ in shown], heights, width, label=name, color=color))
-        for percentile, marker in markers.items():
+        for percentile, marker in (markers or {}).items():
             points = [(x, value[percentile] or 0.0) for x, value in shown if isinstance(value, dict)]
             if points:
                 ax.scatter(*zip(*points), marker=marker, color="black", s=18, zorder=3)

@@ -28,12 +28,11 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, bench_main, grouped_bars, machine_info, progress, save_figure
+from bench_common import RESULTS_DIR, bar_chart, bench_main, machine_info, progress
 
 from engine.tokenizer import Tokenizer
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 SCHEMA = {
     "type": "object",
@@ -215,12 +214,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def plot(results: dict[str, Any], path: Path) -> None:
     libraries = list(results["libraries"])
     kinds = list(next(iter(results["libraries"].values()))["kinds"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    grouped_bars(ax, kinds, {name: [results["libraries"][name]["kinds"][k]["mask_us_mean"] for k in kinds]
-                             for name in libraries})
-    ax.set_ylabel("mean mask time per token (µs)")
-    ax.set_title(f"token bitmask, vocabulary {results['vocab_size']}")
-    save_figure(fig, path)
+    bar_chart(path, kinds, {name: [results["libraries"][name]["kinds"][k]["mask_us_mean"] for k in kinds]
+                            for name in libraries},
+              "mean mask time per token (µs)", f"token bitmask, vocabulary {results['vocab_size']}", (7, 4))
 
 
 def table(results: dict[str, Any]) -> str:

@@ -27,19 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
-from bench_common import (
-    RESULTS_DIR,
-    bench_main,
-    grouped_bars,
-    progress,
-    save_figure,
-    start_run,
-)
+from bench_common import RESULTS_DIR, bar_chart, bench_main, progress, start_run
 
 from engine import Constraint, Generator, Job
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 SCHEMA = {
     "type": "object",
@@ -143,15 +135,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
     points = results["points"]
-    grouped_bars(ax, [f"batch {p['batch']}" for p in points], {
+    bar_chart(path, [f"batch {p['batch']}" for p in points], {
         "unconstrained": [p["unconstrained"]["tokens_per_s"] for p in points],
         "JSON Schema": [p["constrained"]["tokens_per_s"] for p in points],
-    })
-    ax.set_ylabel("generated tokens/s")
-    ax.set_title(f"structured output, {results['model']}")
-    save_figure(fig, path)
+    }, "generated tokens/s", f"structured output, {results['model']}")
 
 
 def table(results: dict[str, Any]) -> str:
