@@ -94,8 +94,9 @@ def register(schema: str, impl: Callable[..., Any], fake: Callable[..., Any],
     def checked(run: Callable[..., Any]) -> Callable[..., Any]:
         def call(*given: Any, **named: Any) -> Any:
             values = (*given, *(named.get(a.name, a.default_value) for a in arguments[len(given):]))
-            first, *others = ((a.name, v) for a, v in zip(arguments, values) if isinstance(v, torch.Tensor))
-            check_devices(name, first[0], first[1], **dict(others))
+            (first_name, first), *others = ((a.name, v) for a, v in zip(arguments, values)
+                                             if isinstance(v, torch.Tensor))
+            check_devices(name, first_name, first, **dict(others))
             if check is not None:
                 check(*values)
             return run(*values)
@@ -117,7 +118,8 @@ def entry_point(reference: Callable[P, R], op: Callable[..., Any]) -> Callable[P
     given every argument it takes, with the reference's defaults for those omitted."""
     names = ([a.name for a in op._schema.arguments] if isinstance(op, torch._ops.OpOverload)
              else list(inspect.signature(op).parameters))
-    defaults = [inspect.signature(reference).parameters[name].default for name in names]
+    parameters = inspect.signature(reference).parameters
+    defaults = [parameters[name].default for name in names]
 
     @functools.wraps(reference)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
