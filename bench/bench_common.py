@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,14 @@ def percentiles_ms(values_s: Sequence[float], qs: Sequence[int] = (50, 90, 99)) 
 def number_cell(value: float | None, digits: int = 1, suffix: str = "", sign: bool = False) -> str:
     """A table cell: value to `digits` decimals (signed when asked), or n/a for a figure a run did not have."""
     return "n/a" if value is None else f"{value:{'+' if sign else ''}.{digits}f}{suffix}"
+
+
+def table_lines(header: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: the header, its separator (`align`: "l" or "r" per column) and one
+    line per row, each cell written with str()."""
+    separators = {"l": "---", "r": "---:"}
+    return [f"| {' | '.join(header)} |", f"|{'|'.join(separators[a] for a in align)}|",
+            *(f"| {' | '.join(map(str, row))} |" for row in rows)]
 
 
 def percentiles_cell(values: dict[str, float | None], keys: Sequence[str], digits: int, sign: bool = False) -> str:

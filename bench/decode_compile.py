@@ -31,6 +31,7 @@ from bench_common import (
     progress,
     save_figure,
     start_run,
+    table_lines,
 )
 from host_overhead import ForwardTimer, sampler_timer
 from host_overhead import measure as measure_step
@@ -116,10 +117,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def table(results: dict[str, Any]) -> str:
     eager = {p["jobs"]: p for p in results["modes"]["eager"]["points"]}
-    lines = ["| jobs | eager forward ms | compiled forward ms | compiled / eager |", "|---:|---:|---:|---:|"]
-    for p in results["modes"]["compiled"]["points"]:
-        base = eager[p["jobs"]]["forward_ms"]
-        lines.append(f"| {p['jobs']} | {base:.2f} | {p['forward_ms']:.2f} | {p['forward_ms'] / base:.2f}x |")
+    compiled = results["modes"]["compiled"]["points"]
+    lines = table_lines(["jobs", "eager forward ms", "compiled forward ms", "compiled / eager"], "rrrr", [
+        [p["jobs"], f"{eager[p['jobs']]['forward_ms']:.2f}", f"{p['forward_ms']:.2f}",
+         f"{p['forward_ms'] / eager[p['jobs']]['forward_ms']:.2f}x"] for p in compiled])
     compile_s = results["modes"]["compiled"]["compile_s"]
     lines.append(f"\ncompile time {compile_s} s; greedy tokens equal: {results['greedy_tokens_equal']}")
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, bench_main, progress, save_figure, start_run
+from bench_common import RESULTS_DIR, bench_main, progress, save_figure, start_run, table_lines
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -175,9 +175,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| engine | generated tok/s | wall (s) |", "|---|---:|---:|"]
-    for label, engine in results["engines"].items():
-        lines.append(f"| {label} | {engine['generated_tokens_per_s']:.1f} | {engine['wall_s']:.1f} |")
+    lines = table_lines(["engine", "generated tok/s", "wall (s)"], "lrr", [
+        [label, f"{engine['generated_tokens_per_s']:.1f}", f"{engine['wall_s']:.1f}"]
+        for label, engine in results["engines"].items()])
     lines.append(f"\nspeedup {results['speedup']}x; identical outputs {results['identical_requests']}"
                  f"/{results['requests']}")
     return "\n".join(lines)

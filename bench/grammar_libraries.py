@@ -28,7 +28,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, bar_chart, bench_main, machine_info, progress
+from bench_common import RESULTS_DIR, bar_chart, bench_main, machine_info, progress, table_lines
 
 from engine.tokenizer import Tokenizer
 
@@ -220,15 +220,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| library | constraint | compile cold / cached (ms) | mask µs mean / p50 / p99 | tokens | "
-             "valid refused | invalid allowed | accepting at end |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, data in results["libraries"].items():
-        for kind, k in data["kinds"].items():
-            lines.append(
-                f"| {name} | {kind} | {k['compile_cold_ms']} / {k['compile_warm_ms']} | {k['mask_us_mean']} / "
-                f"{k['mask_us_p50']} / {k['mask_us_p99']} | {k['tokens']} | {k['refused_valid_tokens']} | "
-                f"{k['allowed_invalid_tokens']} | {k['accepting_at_end']}/{k['documents']} |")
-    return "\n".join(lines)
+    return "\n".join(table_lines(
+        ["library", "constraint", "compile cold / cached (ms)", "mask µs mean / p50 / p99", "tokens", "valid refused",
+         "invalid allowed", "accepting at end"], "llrrrrrr",
+        [[name, kind, f"{k['compile_cold_ms']} / {k['compile_warm_ms']}",
+          f"{k['mask_us_mean']} / {k['mask_us_p50']} / {k['mask_us_p99']}", k["tokens"], k["refused_valid_tokens"],
+          k["allowed_invalid_tokens"], f"{k['accepting_at_end']}/{k['documents']}"]
+         for name, data in results["libraries"].items() for kind, k in data["kinds"].items()]))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -67,6 +67,7 @@ from bench_common import (
     save_figure,
     side_by_side,
     start_run,
+    table_lines,
     write_results,
 )
 
@@ -255,19 +256,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = [
-        ("| run | mode | jobs | host ms/step | host p90 | of which sampler | host excl. sampler "
-         "| forward ms/step | host / forward | host per job (µs) |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for label, run_result in results["runs"].items():
-        for p in run_result["points"]:
-            lines.append(
-                f"| {label} | {p['mode']} | {p['jobs']} | {p['host_ms']:.2f} | {p['host_p90_ms']:.2f} "
-                f"| {p['sampler_ms']:.2f} | {p['host_excl_sampler_ms']:.2f} | {p['forward_ms']:.2f} "
-                f"| {p['host_ms'] / p['forward_ms']:.2f} | {p['host_per_job_us']:.1f} |"
-            )
-    return "\n".join(lines)
+    return "\n".join(table_lines(
+        ["run", "mode", "jobs", "host ms/step", "host p90", "of which sampler", "host excl. sampler", "forward ms/step",
+         "host / forward", "host per job (µs)"], "llrrrrrrrr",
+        [[label, p["mode"], p["jobs"], *(f"{p[key]:.2f}" for key in ("host_ms", "host_p90_ms", "sampler_ms",
+                                                                      "host_excl_sampler_ms", "forward_ms")),
+          f"{p['host_ms'] / p['forward_ms']:.2f}", f"{p['host_per_job_us']:.1f}"]
+         for label, run_result in results["runs"].items() for p in run_result["points"]]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import measured_when, percentile_bars, percentiles_cell, save_with_legend_below  # noqa: E402
+from bench_common import measured_when, percentile_bars, percentiles_cell, save_with_legend_below, table_lines  # noqa: E402
 
 PATHS = {"engine": "engine alone (in-process)", "service": "service (Celery + Redis + worker)"}
 _COLORS = {"engine": "tab:blue", "service": "tab:orange"}
@@ -22,11 +22,7 @@ def _pair(values: dict[str, float | None], digits: int, sign: bool = False) -> s
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The table docs/benchmarks.md quotes: per model, both paths and their difference."""
-    lines = [
-        "| model | path | generated tok/s | first chunk p50 / p99, all at once (ms) "
-        "| first chunk p50 / p99, one at a time (ms) | outputs equal to the engine's |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
+    rows: list[list[object]] = []
     for model, result in results["models"].items():
         label = f"{model} ({result['parameters'] / 1e6:.1f}M)"
         singles = result["single_requests"]
@@ -36,18 +32,17 @@ def markdown_table(results: dict[str, Any]) -> str:
             if path == "service":
                 check, n = result["correctness"], result["correctness"]["requests"]
                 equal = f"{check['texts_equal']}/{n} texts, {check['tokens_equal']}/{n} tokens"
-            lines.append(
-                f"| {label} | {PATHS[path]} | {run['generated_tok_s']:.1f} | {_pair(run['first_chunk_ms'], 0)} "
-                f"| {_pair(singles[path + '_ms'], 1)} | {equal} |"
-            )
+            rows.append([label, PATHS[path], f"{run['generated_tok_s']:.1f}", _pair(run["first_chunk_ms"], 0),
+                         _pair(singles[path + "_ms"], 1), equal])
         overhead = result["overhead"]
-        lines.append(
-            f"| {label} | service - engine | x{overhead['throughput_ratio']:.3f} "
-            f"| {_pair(overhead['added_first_chunk_ms'], 0, sign=True)} "
-            f"| {_pair(singles['added_ms'], 1, sign=True)} (paired median {singles['paired_added_median_ms']:+.1f}) | |"
-        )
+        rows.append([label, "service - engine", f"x{overhead['throughput_ratio']:.3f}",
+                     _pair(overhead["added_first_chunk_ms"], 0, sign=True),
+                     f"{_pair(singles['added_ms'], 1, sign=True)} (paired median "
+                     f"{singles['paired_added_median_ms']:+.1f})", ""])
     machine = results["machine"]
     settings = results["settings"]
+    lines = table_lines(["model", "path", "generated tok/s", "first chunk p50 / p99, all at once (ms)",
+                         "first chunk p50 / p99, one at a time (ms)", "outputs equal to the engine's"], "llrrrr", rows)
     lines.append("")
     lines.append(
         f"{machine['cpu_model']}, torch threads: {settings['threads']} (both paths), fp32, torch {machine['torch']}, "

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
-from bench_common import RESULTS_DIR, bar_chart, bench_main, progress, start_run
+from bench_common import RESULTS_DIR, bar_chart, bench_main, progress, start_run, table_lines
 
 from engine import Constraint, Generator, Job
 
@@ -143,14 +143,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| batch | unconstrained tok/s | JSON Schema tok/s | ratio | mask ms/step (computed / waited for) "
-             "| valid JSON |", "|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for p in results["points"]:
         c = p["constrained"]
-        lines.append(f"| {p['batch']} | {p['unconstrained']['tokens_per_s']:.1f} | {c['tokens_per_s']:.1f} | "
-                     f"{p['ratio']:.2f}x | {c['mask_ms_per_step']:.2f} / {c['mask_wait_ms_per_step']:.2f} | "
-                     f"{c['valid_json']}/{p['batch']} |")
-    return "\n".join(lines)
+        rows.append([p["batch"], f"{p['unconstrained']['tokens_per_s']:.1f}", f"{c['tokens_per_s']:.1f}",
+                     f"{p['ratio']:.2f}x", f"{c['mask_ms_per_step']:.2f} / {c['mask_wait_ms_per_step']:.2f}",
+                     f"{c['valid_json']}/{p['batch']}"])
+    return "\n".join(table_lines(["batch", "unconstrained tok/s", "JSON Schema tok/s", "ratio",
+                                      "mask ms/step (computed / waited for)", "valid JSON"], "rrrrrr", rows))
 
 
 main = bench_main("structured_output", parse_args, run, plot, table)

@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import measured_when, percentile_bars, percentiles_cell, save_with_legend_below  # noqa: E402
+from bench_common import measured_when, percentile_bars, percentiles_cell, save_with_legend_below, table_lines  # noqa: E402
 
 SYSTEM_LABELS = {
     "engine": "genq engine",
@@ -42,25 +42,21 @@ def _label(system: str, model_result: dict[str, Any]) -> str:
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The table docs/benchmarks.md quotes, one row per (model, system)."""
-    lines = [
-        "| model | system | generated tok/s | total tok/s | TTFT p50 / p90 / p99 (ms) "
-        "| ITL p50 / p90 / p99 (ms) | wall (s) | MFU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows: list[list[object]] = []
     for model, model_result in results["models"].items():
         runs = headline_runs(model_result)
         for system, run in runs.items():
             ttft = percentiles_cell(run["ttft_ms"], ("p50", "p90", "p99"), 0)
             itl = percentiles_cell(run["itl_ms"], ("p50", "p90", "p99"), 1)
-            lines.append(
-                f"| {model} ({model_result['parameters'] / 1e6:.1f}M) | {_label(system, model_result)} "
-                f"| {run['generated_tok_s']:.1f} | {run['total_tok_s']:.1f} | {ttft} | {itl} "
-                f"| {run['wall_s']:.2f} | {run['mfu'] * 100:.2f}% |"
-            )
+            rows.append([f"{model} ({model_result['parameters'] / 1e6:.1f}M)", _label(system, model_result),
+                         f"{run['generated_tok_s']:.1f}", f"{run['total_tok_s']:.1f}", ttft, itl,
+                         f"{run['wall_s']:.2f}", f"{run['mfu'] * 100:.2f}%"])
         cb = model_result["systems"].get("hf-cb")
         if cb and "error" in cb:
-            lines.append(f"| {model} | {SYSTEM_LABELS['hf-cb']} | failed: {cb['error'][:80]} | | | | | |")
+            rows.append([model, SYSTEM_LABELS["hf-cb"], f"failed: {cb['error'][:80]}", "", "", "", "", ""])
     machine = results["machine"]
+    lines = table_lines(["model", "system", "generated tok/s", "total tok/s", "TTFT p50 / p90 / p99 (ms)",
+                         "ITL p50 / p90 / p99 (ms)", "wall (s)", "MFU"], "llrrrrrr", rows)
     lines.append("")
     lines.append(
         f"{machine['cpu_model']}, {machine['torch_threads']} threads, fp32, torch {machine['torch']}, "
