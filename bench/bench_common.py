@@ -1,5 +1,8 @@
 """Helpers shared by the benchmarks: progress lines, machine description,
-the machine's fp32 matmul rate, latency percentiles and the cached tiny models.
+the machine's fp32 matmul rate, latency percentiles and the cached tiny models;
+a measuring run's start (start_run) and end (write_results, which records the
+load average at the end; bench_main, the main of a benchmark that runs once);
+the figure and table pieces the reports share.
 
 Benchmarks are run as scripts (`python bench/<name>.py`), so this module is
 imported as a sibling, not as part of a package.
@@ -13,7 +16,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,12 @@ def load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
+def measured_when(machine: dict[str, Any]) -> str:
+    """How a results table's note ends: the load average when the run started (machine_info's) and its date."""
+    load = machine["load_average_at_start"]
+    return f"load average at start {load[0] if load else 'n/a'}; {machine['date']}"
+
+
 def warn_if_busy(threads: int) -> None:
     """A busy neighbour stalls every multi-threaded op (an OpenMP team waits for
     its slowest thread), which distorts small-op engines most."""
@@ -95,6 +104,15 @@ def warn_if_busy(threads: int) -> None:
             f"warning: load average {load[0]:.2f} with {available_cores()} cores; timings with {threads} threads "
             "will be distorted (run on a quiet machine, or pass --threads 1)"
         )
+
+
+def start_run(threads: int) -> dict[str, Any]:
+    """A measuring run's start: torch on `threads` threads, then the machine's description (with
+    a warning when its load would distort the timings)."""
+    torch.set_num_threads(threads)
+    machine = machine_info()
+    warn_if_busy(threads)
+    return machine
 
 
 def matmul_gflops(sizes: Sequence[int] = (1024, 2048), repeats: int = 5) -> dict[str, Any]:
@@ -126,6 +144,14 @@ def percentiles_ms(values_s: Sequence[float], qs: Sequence[int] = (50, 90, 99)) 
 def number_cell(value: float | None, digits: int = 1, suffix: str = "", sign: bool = False) -> str:
     """A table cell: value to `digits` decimals (signed when asked), or n/a for a figure a run did not have."""
     return "n/a" if value is None else f"{value:{'+' if sign else ''}.{digits}f}{suffix}"
+
+
+def table_lines(header: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: the header, its separator (`align`: "l" or "r" per column) and one
+    line per row, each cell written with str()."""
+    separators = {"l": "---", "r": "---:"}
+    return [f"| {' | '.join(header)} |", f"|{'|'.join(separators[a] for a in align)}|",
+            *(f"| {' | '.join(map(str, row))} |" for row in rows)]
 
 
 def percentiles_cell(values: dict[str, float | None], keys: Sequence[str], digits: int, sign: bool = False) -> str:
@@ -181,6 +207,15 @@ def save_figure(fig: Any, path: Path, dpi: int = 120, rect: tuple[float, float, 
     plt.close(fig)
 
 
+def save_with_legend_below(fig: Any, ax: Any, title: str, path: Path) -> None:
+    """A figure of several panels sharing their series: `ax`'s legend once below them all, `title`
+    above, then written (save_figure)."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    save_figure(fig, path, rect=(0, 0.07, 1, 1))
+
+
 def side_by_side(ticks: int, series: int, index: int) -> tuple[list[float], float]:
     """x positions and width of bar series `index` of `series` drawn side by side at ticks 0, 1, ...
     (together they fill 0.8 of each tick's slot, centred on it)."""
@@ -188,13 +223,39 @@ def side_by_side(ticks: int, series: int, index: int) -> tuple[list[float], floa
     return [j + (index - (series - 1) / 2) * width for j in range(ticks)], width
 
 
-def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, list[float]]) -> None:
-    """One bar per series at each label, side by side; the labels as ticks and a legend of the series."""
-    for i, (name, values) in enumerate(series.items()):
-        xs, width = side_by_side(len(labels), len(series), i)
-        ax.bar(xs, values, width, label=name)
-    ax.set_xticks(range(len(labels)), labels)
+def bar_chart(path: Path, labels: Sequence[str], series: dict[str, list[float]], ylabel: str, title: str,
+              figsize: tuple[float, float] = (6, 4)) -> None:
+    """A figure of one panel: each series' bars side by side at each label (percentile_bars), with a
+    legend of the series, the y label and the title, written to `path` (save_figure)."""
+    import matplotlib.pyplot as plt  # the benchmark chose the backend when it imported pyplot
+
+    fig, ax = plt.subplots(figsize=figsize)
+    percentile_bars(ax, labels, series)
     ax.legend()
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    save_figure(fig, path)
+
+
+def percentile_bars(ax: Any, ticks: Sequence[str], series: dict[str, list[Any]], colors: Sequence[str] | None = None,
+                    markers: dict[str, str] | None = None) -> list[Any]:
+    """Bar series side by side at each tick (a legend label and a color each, by default the style's
+    cycle); returns the bar containers. A value is a number (the bar's height), a percentile dict
+    (p50 the bar, and each percentile of `markers` a black marker of its kind, e.g. {"p99": "x"}) or
+    None (no bar there)."""
+    containers = []
+    for k, (name, values) in enumerate(series.items()):
+        color = colors[k] if colors is not None else None
+        positions, width = side_by_side(len(ticks), len(series), k)
+        shown = [(x, value) for x, value in zip(positions, values) if value is not None]
+        heights = [(value["p50"] or 0.0) if isinstance(value, dict) else value for _, value in shown]
+        containers.append(ax.bar([x for x, _ in shown], heights, width, label=name, color=color))
+        for percentile, marker in (markers or {}).items():
+            points = [(x, value[percentile] or 0.0) for x, value in shown if isinstance(value, dict)]
+            if points:
+                ax.scatter(*zip(*points), marker=marker, color="black", s=18, zorder=3)
+    ax.set_xticks(range(len(ticks)), ticks)
+    return containers
 
 
 def write_results(
@@ -205,8 +266,12 @@ def write_results(
     plot: Callable[[dict[str, Any], Path], None],
     table: Callable[[dict[str, Any]], str],
 ) -> None:
-    """Write <name>[_quick].json and .png under `out` and print the markdown table
-    (--quick runs get their own files, so they never overwrite a full run)."""
+    """Record the load average at the end in results["machine"] (a file of several runs, as
+    host_overhead's, has a machine per run, each with its own), write <name>[_quick].json and .png
+    under `out` and print the markdown table (--quick runs get their own files, so they never
+    overwrite a full run)."""
+    if "machine" in results:
+        results["machine"]["load_average_at_end"] = load_average()
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{name}_quick" if quick else name
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
@@ -214,3 +279,16 @@ def write_results(
     plot(results, png_path)
     progress(f"wrote {json_path} and {png_path}")
     print(table(results))
+
+
+def bench_main(name: str, parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+               run: Callable[[argparse.Namespace], dict[str, Any]], plot: Callable[[dict[str, Any], Path], None],
+               table: Callable[[dict[str, Any]], str]) -> Callable[[Sequence[str] | None], None]:
+    """The main(argv) of a benchmark that runs once: parse its arguments, run it and write the results
+    as <name>[_quick] (write_results; _quick when it has --quick and it was given)."""
+
+    def main(argv: Sequence[str] | None = None) -> None:
+        args = parse_args(argv)
+        write_results(run(args), args.out, name, getattr(args, "quick", False), plot, table)
+
+    return main

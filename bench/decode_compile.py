@@ -26,13 +26,12 @@ import matplotlib
 import torch
 from bench_common import (
     RESULTS_DIR,
+    bench_main,
     ensure_model,
-    load_average,
-    machine_info,
     progress,
     save_figure,
-    warn_if_busy,
-    write_results,
+    start_run,
+    table_lines,
 )
 from host_overhead import ForwardTimer, sampler_timer
 from host_overhead import measure as measure_step
@@ -73,9 +72,7 @@ def measure_mode(gen: Generator, batches: Sequence[int], steps: int, warmup: int
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     path = ensure_model(args.preset)
     batches = BATCHES[:2] if args.quick else BATCHES
     steps = 8 if args.quick else args.steps
@@ -99,7 +96,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": __doc__,
         "machine": machine,
-        "load_average_at_end": load_average(),
         "threads": args.threads,
         "preset": args.preset,
         "modes": modes,
@@ -121,19 +117,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def table(results: dict[str, Any]) -> str:
     eager = {p["jobs"]: p for p in results["modes"]["eager"]["points"]}
-    lines = ["| jobs | eager forward ms | compiled forward ms | compiled / eager |", "|---:|---:|---:|---:|"]
-    for p in results["modes"]["compiled"]["points"]:
-        base = eager[p["jobs"]]["forward_ms"]
-        lines.append(f"| {p['jobs']} | {base:.2f} | {p['forward_ms']:.2f} | {p['forward_ms'] / base:.2f}x |")
+    compiled = results["modes"]["compiled"]["points"]
+    lines = table_lines(["jobs", "eager forward ms", "compiled forward ms", "compiled / eager"], "rrrr", [
+        [p["jobs"], f"{eager[p['jobs']]['forward_ms']:.2f}", f"{p['forward_ms']:.2f}",
+         f"{p['forward_ms'] / eager[p['jobs']]['forward_ms']:.2f}x"] for p in compiled])
     compile_s = results["modes"]["compiled"]["compile_s"]
     lines.append(f"\ncompile time {compile_s} s; greedy tokens equal: {results['greedy_tokens_equal']}")
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    results = run(args)
-    write_results(results, args.out, "decode_compile", args.quick, plot, table)
+main = bench_main("decode_compile", parse_args, run, plot, table)
 
 
 if __name__ == "__main__":

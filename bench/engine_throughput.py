@@ -61,12 +61,10 @@ from bench_common import (
     available_cores,
     bench_parser,
     ensure_model,
-    load_average,
-    machine_info,
     matmul_gflops,
     percentiles_ms,
     progress,
-    warn_if_busy,
+    start_run,
     write_results,
 )
 from engine_profile import profile_engine
@@ -390,7 +388,7 @@ def bench_model(preset: str, path: Path, spec: WorkloadSpec, args: argparse.Name
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    machine = start_run(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     quiet_cb_logger()
@@ -400,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     peak_sizes, peak_repeats = ((1024,), 3) if args.quick else ((1024, 2048), 5)
     results: dict[str, Any] = {
         "benchmark": "engine_throughput",
-        "machine": machine_info(),
+        "machine": machine,
         "settings": {
             "quick": args.quick,
             **spec.settings(),
@@ -417,7 +415,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timing_method": TIMING_METHOD,
         "flops_formula": FLOPS_FORMULA,
     }
-    warn_if_busy(args.threads)
     progress(f"measuring the fp32 matmul rate with {args.threads} threads")
     peak_start = matmul_gflops(peak_sizes, peak_repeats)
     progress(f"matmul: {peak_start['best_gflops']:.1f} GFLOP/s")
@@ -428,7 +425,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"matmul at the end: {peak_end['best_gflops']:.1f} GFLOP/s; MFU uses {peak:.1f}")
     results["matmul_peak"] = {"best_gflops": peak, "at_start": peak_start, "at_end": peak_end}
     add_mfu(results, peak)
-    results["machine"]["load_average_at_end"] = load_average()
     name = "engine_throughput"
     if args.model and not args.models:
         slugs = (re.sub(r"[^A-Za-z0-9]+", "-", model_name(path)).strip("-").lower() for path in args.model)

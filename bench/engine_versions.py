@@ -29,7 +29,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
+from bench_common import RESULTS_DIR, bench_main, progress, save_figure, start_run, table_lines
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -128,8 +128,7 @@ def run_engine(tree: Path, model_dir: Path, requests: Path, threads: int, max_ne
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     if args.gguf is None:
         from genq_dev.demo_model import fetch_smollm2
 
@@ -155,7 +154,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": __doc__,
         "machine": machine,
-        "load_average_at_end": load_average(),
         "model": args.gguf.name,
         "requests": args.requests,
         "prompt_tokens": sum(len(p) for p in prompts),
@@ -177,17 +175,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| engine | generated tok/s | wall (s) |", "|---|---:|---:|"]
-    for label, engine in results["engines"].items():
-        lines.append(f"| {label} | {engine['generated_tokens_per_s']:.1f} | {engine['wall_s']:.1f} |")
+    lines = table_lines(["engine", "generated tok/s", "wall (s)"], "lrr", [
+        [label, f"{engine['generated_tokens_per_s']:.1f}", f"{engine['wall_s']:.1f}"]
+        for label, engine in results["engines"].items()])
     lines.append(f"\nspeedup {results['speedup']}x; identical outputs {results['identical_requests']}"
                  f"/{results['requests']}")
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    write_results(run(args), args.out, "engine_versions", False, plot, table)
+main = bench_main("engine_versions", parse_args, run, plot, table)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,11 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, grouped_bars, load_average, machine_info, progress, save_figure, write_results
+from bench_common import RESULTS_DIR, bar_chart, bench_main, machine_info, progress, table_lines
 
 from engine.tokenizer import Tokenizer
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 SCHEMA = {
     "type": "object",
@@ -209,31 +208,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             progress(f"  {kind}: {per_kind[kind]}")
         results["libraries"][library.name] = {"tokenizer_setup_s": round(setup_s, 3), "kinds": per_kind}
-    results["load_average_at_end"] = load_average()
     return results
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
     libraries = list(results["libraries"])
     kinds = list(next(iter(results["libraries"].values()))["kinds"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    grouped_bars(ax, kinds, {name: [results["libraries"][name]["kinds"][k]["mask_us_mean"] for k in kinds]
-                             for name in libraries})
-    ax.set_ylabel("mean mask time per token (µs)")
-    ax.set_title(f"token bitmask, vocabulary {results['vocab_size']}")
-    save_figure(fig, path)
+    bar_chart(path, kinds, {name: [results["libraries"][name]["kinds"][k]["mask_us_mean"] for k in kinds]
+                            for name in libraries},
+              "mean mask time per token (µs)", f"token bitmask, vocabulary {results['vocab_size']}", (7, 4))
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| library | constraint | compile cold / cached (ms) | mask µs mean / p50 / p99 | tokens | "
-             "valid refused | invalid allowed | accepting at end |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, data in results["libraries"].items():
-        for kind, k in data["kinds"].items():
-            lines.append(
-                f"| {name} | {kind} | {k['compile_cold_ms']} / {k['compile_warm_ms']} | {k['mask_us_mean']} / "
-                f"{k['mask_us_p50']} / {k['mask_us_p99']} | {k['tokens']} | {k['refused_valid_tokens']} | "
-                f"{k['allowed_invalid_tokens']} | {k['accepting_at_end']}/{k['documents']} |")
-    return "\n".join(lines)
+    return "\n".join(table_lines(
+        ["library", "constraint", "compile cold / cached (ms)", "mask µs mean / p50 / p99", "tokens", "valid refused",
+         "invalid allowed", "accepting at end"], "llrrrrrr",
+        [[name, kind, f"{k['compile_cold_ms']} / {k['compile_warm_ms']}",
+          f"{k['mask_us_mean']} / {k['mask_us_p50']} / {k['mask_us_p99']}", k["tokens"], k["refused_valid_tokens"],
+          k["allowed_invalid_tokens"], f"{k['accepting_at_end']}/{k['documents']}"]
+         for name, data in results["libraries"].items() for kind, k in data["kinds"].items()]))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -243,9 +236,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    write_results(run(args), args.out, "grammar_libraries", False, plot, table)
+main = bench_main("grammar_libraries", parse_args, run, plot, table)
 
 
 if __name__ == "__main__":

@@ -63,11 +63,11 @@ from bench_common import (
     RESULTS_DIR,
     ensure_model,
     load_average,
-    machine_info,
     progress,
     save_figure,
     side_by_side,
-    warn_if_busy,
+    start_run,
+    table_lines,
     write_results,
 )
 
@@ -210,9 +210,7 @@ def _p90(values: list[float]) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     global _clock
     _clock = args.clock
-    torch.set_num_threads(args.threads)
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     path = ensure_model(args.preset)
     steps = 10 if args.quick else args.steps
     cache_tokens = max(BATCHES) * (PROMPT_TOKENS + steps + args.warmup + 16)
@@ -227,8 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             points.append(measure(gen, timer, sampler, num_jobs, mode, steps, args.warmup))
             progress(f"  host {points[-1]['host_ms']} ms, forward {points[-1]['forward_ms']} ms (medians)")
     return {
-        "machine": machine,
-        "load_average_at_end": load_average(),
+        "machine": {**machine, "load_average_at_end": load_average()},
         "threads": args.threads,
         "clock": args.clock,
         "overlap": args.overlap,
@@ -259,19 +256,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = [
-        ("| run | mode | jobs | host ms/step | host p90 | of which sampler | host excl. sampler "
-         "| forward ms/step | host / forward | host per job (µs) |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for label, run_result in results["runs"].items():
-        for p in run_result["points"]:
-            lines.append(
-                f"| {label} | {p['mode']} | {p['jobs']} | {p['host_ms']:.2f} | {p['host_p90_ms']:.2f} "
-                f"| {p['sampler_ms']:.2f} | {p['host_excl_sampler_ms']:.2f} | {p['forward_ms']:.2f} "
-                f"| {p['host_ms'] / p['forward_ms']:.2f} | {p['host_per_job_us']:.1f} |"
-            )
-    return "\n".join(lines)
+    return "\n".join(table_lines(
+        ["run", "mode", "jobs", "host ms/step", "host p90", "of which sampler", "host excl. sampler", "forward ms/step",
+         "host / forward", "host per job (µs)"], "llrrrrrrrr",
+        [[label, p["mode"], p["jobs"], *(f"{p[key]:.2f}" for key in ("host_ms", "host_p90_ms", "sampler_ms",
+                                                                      "host_excl_sampler_ms", "forward_ms")),
+          f"{p['host_ms'] / p['forward_ms']:.2f}", f"{p['host_per_job_us']:.1f}"]
+         for label, run_result in results["runs"].items() for p in run_result["points"]]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

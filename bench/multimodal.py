@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import bench_parser, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
+from bench_common import bench_parser, machine_info, progress, save_figure, table_lines, warn_if_busy, write_results
 from PIL import Image
 
 from engine import Generator, Job
@@ -141,11 +141,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    rows = ["| run | jobs/s | wall | tower forwards | images encoded | prefix hit rate |", "|---|---|---|---|---|---|"]
-    for mode, f in results["modes"].items():
-        rows.append(f"| {mode} | {f['jobs_per_s']:.1f} | {f['wall_s']:.2f} s | {f['tower_forwards']} | "
-                    f"{f['images_encoded']} | {f['prefix_hit_rate']:.1%} |")
-    return "\n".join(rows)
+    return "\n".join(table_lines(
+        ["run", "jobs/s", "wall", "tower forwards", "images encoded", "prefix hit rate"], "llllll",
+        [[mode, f"{f['jobs_per_s']:.1f}", f"{f['wall_s']:.2f} s", f["tower_forwards"], f["images_encoded"],
+          f"{f['prefix_hit_rate']:.1%}"] for mode, f in results["modes"].items()]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,7 +167,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "max_new_tokens": args.max_new_tokens, "page_size": PAGE_SIZE,
                                "tokens_per_image": json.loads((model / "config.json").read_text())["image_seq_length"],
                                "model": "genq_dev/tiny_vlm.py llava (random weights)"}
-    results["machine"]["load_average_at_end"] = load_average()
     write_results(results, args.out, "multimodal", args.quick, plot, markdown_table)
     return 0
 

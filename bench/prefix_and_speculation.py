@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import random
 import statistics
@@ -76,23 +75,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from bench_common import (
     RESULTS_DIR,
     available_cores,
     bench_parser,
     ensure_model,
-    load_average,
-    machine_info,
     percentiles_ms,
     progress,
-    warn_if_busy,
+    start_run,
     write_results,
 )
 from engine_throughput import compare_tokens
 from prefix_spec_report import markdown_table, plot
 
 from engine import Generator, Job
+from engine.engine_config import SpeculativeConfig
 from engine.spec_decode import ngram_draft
 from genq_dev.tiny_model import PRESETS, count_parameters
 
@@ -129,7 +126,7 @@ QUICK_PREFIX = PrefixSpec(num_requests=16, system_tokens=512, question_tokens=32
 FULL_SPEC = SpecSpec()
 QUICK_SPEC = SpecSpec(max_new_tokens=48, batch1_prompts=2, draft_lengths=(4,))
 SPECULATIVE_BATCH = 64  # max_speculative_batch for the rows that must speculate at batch 16
-DEFAULT_SPECULATIVE_BATCH = 8  # Generator's default, checked against its signature in main()
+DEFAULT_SPECULATIVE_BATCH = 8  # the engine's default (SpeculativeConfig), checked in main()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -601,10 +598,10 @@ def bench_speculation(path: Path, spec: SpecSpec, args: argparse.Namespace) -> d
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    default = inspect.signature(Generator.__init__).parameters["max_speculative_batch"].default
+    machine = start_run(args.threads)
+    default = SpeculativeConfig().max_speculative_batch
     if default != DEFAULT_SPECULATIVE_BATCH:
-        progress(f"warning: Generator's default max_speculative_batch is {default}, this script assumes "
+        progress(f"warning: the engine's default max_speculative_batch is {default}, this script assumes "
                  f"{DEFAULT_SPECULATIVE_BATCH}")
     path = ensure_model(args.model)
     config = json.loads((path / "config.json").read_text())
@@ -615,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{args.model}: max_position_embeddings {config['max_position_embeddings']} < {needed}")
     results: dict[str, Any] = {
         "benchmark": "prefix_and_speculation",
-        "machine": machine_info(),
+        "machine": machine,
         "settings": {
             "quick": args.quick, "parts": args.parts, "model": args.model, "model_path": str(path),
             "parameters": count_parameters(config), "threads": args.threads, "repeats": args.repeats,
@@ -624,14 +621,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "method": __doc__,
     }
-    warn_if_busy(args.threads)
     started = time.perf_counter()
     if "prefix" in args.parts:
         results["prefix"] = bench_prefix(path, prefix_spec, args)
         gc.collect()
     if "speculation" in args.parts:
         results["speculation"] = bench_speculation(path, spec_spec, args)
-    results["machine"]["load_average_at_end"] = load_average()
     results["machine"]["bench_wall_s"] = round(time.perf_counter() - started, 1)
     write_results(results, args.out, "prefix_and_speculation", args.quick, plot, markdown_table)
     return 0

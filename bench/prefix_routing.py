@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import ensure_model, load_average, machine_info, progress, save_figure, warn_if_busy, write_results
+from bench_common import ensure_model, machine_info, progress, save_figure, table_lines, warn_if_busy, write_results
 
 from producer.client import GenqClient
 from worker.processes import RedisServer, WorkerProcess
@@ -145,11 +145,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    rows = ["| mode | prefix hit rate | prompt tokens computed | requests per worker | wall |", "|---|---|---|---|---|"]
-    for mode, f in results["modes"].items():
-        rows.append(f"| {mode} | {f['prefix_hit_rate']:.1%} | {f['prompt_tokens_computed']} | "
-                    f"{' / '.join(map(str, f['requests_per_worker']))} | {f['wall_s']:.1f} s |")
-    return "\n".join(rows)
+    return "\n".join(table_lines(
+        ["mode", "prefix hit rate", "prompt tokens computed", "requests per worker", "wall"], "lllll",
+        [[mode, f"{f['prefix_hit_rate']:.1%}", f["prompt_tokens_computed"],
+          " / ".join(map(str, f["requests_per_worker"])), f"{f['wall_s']:.1f} s"]
+         for mode, f in results["modes"].items()]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,7 +173,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp), persistence="none") as server:
         for mode in ("shared", "routed"):
             results["modes"][mode] = run_mode(mode, model, args, server.url, Path(tmp), cache_tokens)
-    results["machine"]["load_average_at_end"] = load_average()
     write_results(results, args.out, "prefix_routing", args.quick, plot, markdown_table)
     return 0
 

@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import number_cell, percentiles_cell, side_by_side  # noqa: E402
+from bench_common import measured_when, number_cell, percentiles_cell, side_by_side, table_lines  # noqa: E402
 
 _DEDUP_LABELS = {"dedup_off": "dedup off", "dedup_on": "dedup on"}
 _SPEC_COLORS = ["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:purple"]
@@ -17,20 +17,19 @@ _SPEC_COLORS = ["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:purple"]
 
 def prefix_table(prefix: dict[str, Any]) -> list[str]:
     w = prefix["workload"]
+    rows = []
+    for name, label in _DEDUP_LABELS.items():
+        run = prefix["best"][name]
+        rows.append([label, f"{run['prompt_tokens']:,}", f"{run['computed_prompt_tokens']:,}",
+                     f"{run['cached_prompt_tokens']:,}", percentiles_cell(run["ttft_ms"], ("p50", "p90", "max"), 0),
+                     f"{run['wall_s']:.2f}"])
     lines = [
         f"**(a) prefix dedup**: {w['num_requests']} requests, {w['system_tokens']}-token shared prefix + "
         f"{w['question_tokens']}-token questions, {w['max_new_tokens']} new tokens each, all enqueued at once",
         "",
-        "| prefix dedup | prompt tokens | computed | cached | TTFT p50 / p90 / max (ms) | wall (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        *table_lines(["prefix dedup", "prompt tokens", "computed", "cached", "TTFT p50 / p90 / max (ms)", "wall (s)"],
+                     "lrrrrr", rows),
     ]
-    for name in ("dedup_off", "dedup_on"):
-        run = prefix["best"][name]
-        ttft = percentiles_cell(run["ttft_ms"], ("p50", "p90", "max"), 0)
-        lines.append(
-            f"| {_DEDUP_LABELS[name]} | {run['prompt_tokens']:,} | {run['computed_prompt_tokens']:,} "
-            f"| {run['cached_prompt_tokens']:,} | {ttft} | {run['wall_s']:.2f} |"
-        )
     match = prefix["outputs_identical"]
     lines += [
         "",
@@ -52,10 +51,8 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
         f"greedy; batch 1 = {w['batch1_prompts']} prompts one after another; loop prompts: "
         f"{loops} of {sel['candidates_probed']} probed candidates loop, first {len(sel['kept'])} used",
         "",
-        "| workload | batch | configuration | gen tok/s | speedup | acceptance (accepted / drafted) "
-        "| draft length per verify step | accepted per verify step | tokens per decode step | outputs = no-spec |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows: list[list[object]] = []
     for workload, by_batch in spec["results"].items():
         for batch, cell in by_batch.items():
             for name, row in cell["configs"].items():
@@ -68,11 +65,12 @@ def speculation_table(spec: dict[str, Any]) -> list[str]:
                 draft_len = number_cell(row.get("mean_draft_length"), 2) if name != "off" else "-"
                 same = row["outputs_identical_to_off"]
                 speedup = f"**{row['speedup']:.2f}x**" if name != "off" else "1.00x"
-                lines.append(
-                    f"| {workload} | {batch} | {row['label']} | {row['generated_tok_s']:.1f} | {speedup} "
-                    f"| {acceptance} | {draft_len} | {per_verify} | {row['tokens_per_decode_step']:.2f} "
-                    f"| {same['identical_requests']}/{same['requests']} |"
-                )
+                rows.append([workload, batch, row["label"], f"{row['generated_tok_s']:.1f}", speedup, acceptance,
+                             draft_len, per_verify, f"{row['tokens_per_decode_step']:.2f}",
+                             f"{same['identical_requests']}/{same['requests']}"])
+    lines += table_lines(["workload", "batch", "configuration", "gen tok/s", "speedup",
+                          "acceptance (accepted / drafted)", "draft length per verify step", "accepted per verify step",
+                          "tokens per decode step", "outputs = no-spec"], "lrlrrrrrrr", rows)
     s = spec["speedup_batch1_loop"]
     lines += [
         "",
@@ -100,11 +98,10 @@ def markdown_table(results: dict[str, Any]) -> str:
     if "speculation" in results:
         lines += speculation_table(results["speculation"]) + [""]
     machine, settings = results["machine"], results["settings"]
-    load = machine["load_average_at_start"]
     lines.append(
         f"{settings['model']} llama ({settings['parameters'] / 1e6:.1f}M parameters), fp32; {machine['cpu_model']}, "
         f"torch threads: {machine['torch_threads']}, torch {machine['torch']}; best of {settings['repeats']} "
-        f"repetition(s); load average at start {load[0] if load else 'n/a'}; {machine['date']}."
+        f"repetition(s); {measured_when(machine)}."
     )
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from bench_common import RESULTS_DIR, load_average, machine_info, progress, write_results
+from bench_common import RESULTS_DIR, machine_info, progress, table_lines, write_results
 
 import kernels
 from engine import Generator, Job
@@ -195,27 +195,22 @@ def plot(results: dict[str, Any], png: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| KV cache | bytes/token (fp32 model) | bytes/token (16-bit model) | 768-token jobs in 1 GiB (16-bit) "
-             "| perplexity | change | top-1 agreement | greedy agreement "
-             f"| decode tok/s (batch {results['prompts']}) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row in results["cache"]:
-        lines.append(
-            f"| {row['cache_dtype']} | {row['bytes_per_token_fp32_model']:,} | {row['bytes_per_token_16bit_model']:,} "
-            f"| {row['jobs_in_1gib_16bit']:,} | {row['perplexity']:.3f} | {row['perplexity_change_pct']:+.2f}% "
-            f"| {row['top1_agreement']:.1%} | {row['greedy_agreement']:.1%} "
-            f"| {row['decode_tokens_per_s']:.1f} |")
     batch = results["prompts"]
-    batch_key = f"decode_tokens_per_s_batch_{batch}"
-    lines += ["", "| weights | linear weights (MiB) | perplexity | change | top-1 agreement | greedy agreement "
-              f"| decode tok/s batch 1 | decode tok/s batch {batch} |",
-              "|---|---|---|---|---|---|---|---|"]
-    for row in results["weights"]:
-        lines.append(
-            f"| {row['weights']} | {row['linear_weight_bytes'] / 2**20:.1f} | {row['perplexity']:.3f} "
-            f"| {row['perplexity_change_pct']:+.2f}% | {row['top1_agreement']:.1%} | {row['greedy_agreement']:.1%} "
-            f"| {row['decode_tokens_per_s_batch_1']:.1f} | {row[batch_key]:.1f} |")
-    return "\n".join(lines)
+    cache = table_lines(
+        ["KV cache", "bytes/token (fp32 model)", "bytes/token (16-bit model)", "768-token jobs in 1 GiB (16-bit)",
+         "perplexity", "change", "top-1 agreement", "greedy agreement", f"decode tok/s (batch {batch})"], "l" * 9,
+        [[row["cache_dtype"], f"{row['bytes_per_token_fp32_model']:,}", f"{row['bytes_per_token_16bit_model']:,}",
+          f"{row['jobs_in_1gib_16bit']:,}", f"{row['perplexity']:.3f}", f"{row['perplexity_change_pct']:+.2f}%",
+          f"{row['top1_agreement']:.1%}", f"{row['greedy_agreement']:.1%}", f"{row['decode_tokens_per_s']:.1f}"]
+         for row in results["cache"]])
+    weights = table_lines(
+        ["weights", "linear weights (MiB)", "perplexity", "change", "top-1 agreement", "greedy agreement",
+         "decode tok/s batch 1", f"decode tok/s batch {batch}"], "l" * 8,
+        [[row["weights"], f"{row['linear_weight_bytes'] / 2**20:.1f}", f"{row['perplexity']:.3f}",
+          f"{row['perplexity_change_pct']:+.2f}%", f"{row['top1_agreement']:.1%}", f"{row['greedy_agreement']:.1%}",
+          f"{row['decode_tokens_per_s_batch_1']:.1f}", f"{row[f'decode_tokens_per_s_batch_{batch}']:.1f}"]
+         for row in results["weights"]])
+    return "\n".join([*cache, "", *weights])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -234,7 +229,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     results["cache"] = cache_rows(path, load_model(path), ids, prompts, args.new_tokens)
     results["weights"] = weight_rows(path, ids, prompts, args.new_tokens)
     results["seconds"] = math.ceil(time.perf_counter() - started)
-    results["load_average_at_end"] = load_average()
     write_results(results, args.out, "quantization", args.quick, plot, table)
 
 

@@ -62,16 +62,14 @@ from typing import Any
 import celery
 import kombu
 import redis
-import torch
 from bench_common import (
     RESULTS_DIR,
     available_cores,
     bench_parser,
     ensure_model,
-    load_average,
-    machine_info,
     percentiles_ms,
     progress,
+    start_run,
     write_results,
 )
 from celery import Celery
@@ -325,11 +323,11 @@ def _log_run(model: str, name: str, summary: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     install_sigterm_as_interrupt()
-    torch.set_num_threads(args.threads)
+    machine = start_run(args.threads)
     spec = QUICK_WORKLOAD if args.quick else FULL_WORKLOAD
     results: dict[str, Any] = {
         "benchmark": "service_overhead",
-        "machine": machine_info(),
+        "machine": machine,
         "settings": {
             "quick": args.quick,
             **spec.settings(),
@@ -352,7 +350,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["machine"]["redis_server"] = server.version
         progress(f"redis-server on port {server.port}")
         results["models"] = {preset: bench_model(preset, spec, args, server.url, Path(tmp)) for preset in args.models}
-    results["machine"]["load_average_at_end"] = load_average()
     write_results(results, args.out, "service_overhead", args.quick, plot, markdown_table)
     return 0
 

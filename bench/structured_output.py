@@ -27,22 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
-import torch
-from bench_common import (
-    RESULTS_DIR,
-    grouped_bars,
-    load_average,
-    machine_info,
-    progress,
-    save_figure,
-    warn_if_busy,
-    write_results,
-)
+from bench_common import RESULTS_DIR, bar_chart, bench_main, progress, start_run, table_lines
 
 from engine import Constraint, Generator, Job
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 SCHEMA = {
     "type": "object",
@@ -127,9 +116,7 @@ def _valid_json(text: str | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     if args.model is None:
         from genq_dev.demo_model import fetch_smollm2
 
@@ -143,36 +130,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress(f"batch {batch}")
         points.append(measure(args.model, prompts, batch, args.repeats))
         progress(f"  {points[-1]}")
-    return {"method": __doc__, "machine": machine, "load_average_at_end": load_average(), "model": args.model.name,
+    return {"method": __doc__, "machine": machine, "model": args.model.name,
             "threads": args.threads, "schema": SCHEMA, "points": points}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
     points = results["points"]
-    grouped_bars(ax, [f"batch {p['batch']}" for p in points], {
+    bar_chart(path, [f"batch {p['batch']}" for p in points], {
         "unconstrained": [p["unconstrained"]["tokens_per_s"] for p in points],
         "JSON Schema": [p["constrained"]["tokens_per_s"] for p in points],
-    })
-    ax.set_ylabel("generated tokens/s")
-    ax.set_title(f"structured output, {results['model']}")
-    save_figure(fig, path)
+    }, "generated tokens/s", f"structured output, {results['model']}")
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| batch | unconstrained tok/s | JSON Schema tok/s | ratio | mask ms/step (computed / waited for) "
-             "| valid JSON |", "|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for p in results["points"]:
         c = p["constrained"]
-        lines.append(f"| {p['batch']} | {p['unconstrained']['tokens_per_s']:.1f} | {c['tokens_per_s']:.1f} | "
-                     f"{p['ratio']:.2f}x | {c['mask_ms_per_step']:.2f} / {c['mask_wait_ms_per_step']:.2f} | "
-                     f"{c['valid_json']}/{p['batch']} |")
-    return "\n".join(lines)
+        rows.append([p["batch"], f"{p['unconstrained']['tokens_per_s']:.1f}", f"{c['tokens_per_s']:.1f}",
+                     f"{p['ratio']:.2f}x", f"{c['mask_ms_per_step']:.2f} / {c['mask_wait_ms_per_step']:.2f}",
+                     f"{c['valid_json']}/{p['batch']}"])
+    return "\n".join(table_lines(["batch", "unconstrained tok/s", "JSON Schema tok/s", "ratio",
+                                      "mask ms/step (computed / waited for)", "valid JSON"], "rrrrrr", rows))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    write_results(run(args), args.out, "structured_output", False, plot, table)
+main = bench_main("structured_output", parse_args, run, plot, table)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from bench_common import percentiles_cell, save_figure, side_by_side  # noqa: E402
+from bench_common import measured_when, percentile_bars, percentiles_cell, save_with_legend_below, table_lines  # noqa: E402
 
 SYSTEM_LABELS = {
     "engine": "genq engine",
@@ -42,31 +42,26 @@ def _label(system: str, model_result: dict[str, Any]) -> str:
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The table docs/benchmarks.md quotes, one row per (model, system)."""
-    lines = [
-        "| model | system | generated tok/s | total tok/s | TTFT p50 / p90 / p99 (ms) "
-        "| ITL p50 / p90 / p99 (ms) | wall (s) | MFU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows: list[list[object]] = []
     for model, model_result in results["models"].items():
         runs = headline_runs(model_result)
         for system, run in runs.items():
             ttft = percentiles_cell(run["ttft_ms"], ("p50", "p90", "p99"), 0)
             itl = percentiles_cell(run["itl_ms"], ("p50", "p90", "p99"), 1)
-            lines.append(
-                f"| {model} ({model_result['parameters'] / 1e6:.1f}M) | {_label(system, model_result)} "
-                f"| {run['generated_tok_s']:.1f} | {run['total_tok_s']:.1f} | {ttft} | {itl} "
-                f"| {run['wall_s']:.2f} | {run['mfu'] * 100:.2f}% |"
-            )
+            rows.append([f"{model} ({model_result['parameters'] / 1e6:.1f}M)", _label(system, model_result),
+                         f"{run['generated_tok_s']:.1f}", f"{run['total_tok_s']:.1f}", ttft, itl,
+                         f"{run['wall_s']:.2f}", f"{run['mfu'] * 100:.2f}%"])
         cb = model_result["systems"].get("hf-cb")
         if cb and "error" in cb:
-            lines.append(f"| {model} | {SYSTEM_LABELS['hf-cb']} | failed: {cb['error'][:80]} | | | | | |")
+            rows.append([model, SYSTEM_LABELS["hf-cb"], f"failed: {cb['error'][:80]}", "", "", "", "", ""])
     machine = results["machine"]
+    lines = table_lines(["model", "system", "generated tok/s", "total tok/s", "TTFT p50 / p90 / p99 (ms)",
+                         "ITL p50 / p90 / p99 (ms)", "wall (s)", "MFU"], "llrrrrrr", rows)
     lines.append("")
     lines.append(
         f"{machine['cpu_model']}, {machine['torch_threads']} threads, fp32, torch {machine['torch']}, "
         f"transformers {machine['transformers']}; fp32 matmul peak {results['matmul_peak']['best_gflops']:.1f} "
-        f"GFLOP/s; {results['settings']['num_requests']} requests; load average at start "
-        f"{machine['load_average_at_start'][0] if machine['load_average_at_start'] else 'n/a'}; {machine['date']}."
+        f"GFLOP/s; {results['settings']['num_requests']} requests; {measured_when(machine)}."
     )
     return "\n".join(lines)
 
@@ -75,28 +70,11 @@ def _grouped_bars(ax: plt.Axes, results: dict[str, Any], metric: str) -> list[An
     """Bars per model, one per system; for latency metrics the bar is p50 and
     the markers p90 (triangle) and p99 (cross). Returns the bar containers."""
     models = list(results["models"])
-    systems = [s for s in SYSTEM_LABELS if any(s in headline_runs(m) for m in results["models"].values())]
-    containers = []
-    for k, system in enumerate(systems):
-        positions, width = side_by_side(len(models), len(systems), k)
-        xs, p50, p90, p99 = [], [], [], []
-        for i, model in enumerate(models):
-            run = headline_runs(results["models"][model]).get(system)
-            if run is None:
-                continue
-            xs.append(positions[i])
-            if metric == "generated_tok_s":
-                p50.append(run[metric])
-            else:
-                p50.append(run[metric]["p50"] or 0.0)
-                p90.append(run[metric]["p90"] or 0.0)
-                p99.append(run[metric]["p99"] or 0.0)
-        containers.append(ax.bar(xs, p50, width, label=SYSTEM_LABELS[system], color=_COLORS[system]))
-        if p90:
-            ax.scatter(xs, p90, marker="^", color="black", s=18, zorder=3)
-            ax.scatter(xs, p99, marker="x", color="black", s=18, zorder=3)
-    ax.set_xticks(range(len(models)), models)
-    return containers
+    runs = [headline_runs(results["models"][model]) for model in models]
+    systems = [s for s in SYSTEM_LABELS if any(s in r for r in runs)]
+    return percentile_bars(ax, models, {SYSTEM_LABELS[s]: [r[s][metric] if s in r else None for r in runs]
+                                        for s in systems},
+                           [_COLORS[s] for s in systems], {"p90": "^", "p99": "x"})
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -108,12 +86,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
     axes[1].set_title("time to first token, ms (bar p50, ^ p90, x p99)")
     _grouped_bars(axes[2], results, "itl_ms")
     axes[2].set_title("inter-token latency, ms (bar p50, ^ p90, x p99)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     machine = results["machine"]
-    fig.suptitle(
-        f"{results['settings']['num_requests']} requests, greedy, fp32 - {machine['cpu_model']}, "
-        f"{machine['torch_threads']} threads - {machine['date']}",
-        fontsize=10,
-    )
-    save_figure(fig, path, rect=(0, 0.07, 1, 1))
+    save_with_legend_below(fig, axes[0], f"{results['settings']['num_requests']} requests, greedy, fp32 - "
+                           f"{machine['cpu_model']}, {machine['torch_threads']} threads - {machine['date']}", path)

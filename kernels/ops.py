@@ -18,6 +18,10 @@ into either.
 No autograd formula is registered: the engine runs inference only (a
 backward through an operator raises).
 
+Each operator is one row below: its schema string (the one declaration of
+its arguments, as a C++ extension declares its ops), the implementation, the
+fake function and the checks both run (kernels/dispatch.py's register).
+
 rms_norm with a residual returns two tensors and without it one, so it is
 two operators: genq::rms_norm and genq::add_rms_norm (kernels.rms_norm
 picks). Every operator checks that its tensors share the first one's
@@ -28,60 +32,21 @@ fake functions check what else the real ones would reject from metadata
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from kernels import reference
-from kernels.dispatch import check_devices, dispatched
+from kernels.dispatch import dispatched, register
 from kernels.kv_quant import paged_formats
 
 _rms_norm_impl = dispatched(reference.rms_norm)
-_silu_and_mul_impl = dispatched(reference.silu_and_mul)
-_gelu_tanh_and_mul_impl = dispatched(reference.gelu_tanh_and_mul)
-_apply_rope_impl = dispatched(reference.apply_rope)
-_write_kv_impl = dispatched(reference.write_kv)
-_paged_attention_impl = dispatched(reference.paged_attention)
 
 
-def _norm_dtype(x: Tensor, weight: Tensor, unit_offset: bool) -> torch.dtype:
-    """The normed output's dtype: x's for Gemma's (1 + weight) in fp32, else weight * x's."""
-    return x.dtype if unit_offset else torch.result_type(weight, x)
-
-
-# --------------------------------------------------------------------------- RMSNorm
-
-
-@torch.library.custom_op("genq::rms_norm", mutates_args=())
-def _rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
-    check_devices("rms_norm", "x", x, weight=weight)
-    return _rms_norm_impl(x, weight, eps, None, unit_offset)[0]
-
-
-@_rms_norm.register_fake
-def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
-    check_devices("rms_norm", "x", x, weight=weight)
-    return x.new_empty(x.shape, dtype=_norm_dtype(x, weight, unit_offset))
-
-
-@torch.library.custom_op("genq::add_rms_norm", mutates_args=())
-def _add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, unit_offset: bool = False
-) -> tuple[Tensor, Tensor]:
-    check_devices("add_rms_norm", "x", x, residual=residual, weight=weight)
-    out, summed = _rms_norm_impl(x, weight, eps, residual, unit_offset)
-    assert summed is not None
-    return out, summed
-
-
-@_add_rms_norm.register_fake
-def _add_rms_norm_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, unit_offset: bool = False
-) -> tuple[Tensor, Tensor]:
-    check_devices("add_rms_norm", "x", x, residual=residual, weight=weight)
-    return x.new_empty(x.shape, dtype=_norm_dtype(x, weight, unit_offset)), x.new_empty(x.shape)
-
-
-# --------------------------------------------------------------------------- activation * mul
+def _norm_like(x: Tensor, weight: Tensor, unit_offset: bool) -> Tensor:
+    """The normed output from metadata: x's dtype for Gemma's (1 + weight) in fp32, else weight * x's."""
+    return x.new_empty(x.shape, dtype=x.dtype if unit_offset else torch.result_type(weight, x))
 
 
 def _gated_shape(op: str, gate_up: Tensor) -> tuple[int, ...]:
@@ -92,138 +57,52 @@ def _gated_shape(op: str, gate_up: Tensor) -> tuple[int, ...]:
     return (*gate_up.shape[:-1], width // 2)
 
 
-@torch.library.custom_op("genq::silu_and_mul", mutates_args=())
-def _silu_and_mul(gate_up: Tensor) -> Tensor:
-    _gated_shape("silu_and_mul", gate_up)
-    return _silu_and_mul_impl(gate_up)
+def _gated(name: str) -> torch._ops.OpOverload:
+    """genq::<name>, an activation of a fused gate/up projection times its up half."""
+    return register(f"{name}(Tensor gate_up) -> Tensor", dispatched(getattr(reference, name)),
+                    lambda gate_up: gate_up.new_empty(_gated_shape(name, gate_up)),
+                    lambda gate_up: _gated_shape(name, gate_up))
 
 
-@_silu_and_mul.register_fake
-def _silu_and_mul_fake(gate_up: Tensor) -> Tensor:
-    return gate_up.new_empty(_gated_shape("silu_and_mul", gate_up))
-
-
-@torch.library.custom_op("genq::gelu_tanh_and_mul", mutates_args=())
-def _gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
-    _gated_shape("gelu_tanh_and_mul", gate_up)
-    return _gelu_tanh_and_mul_impl(gate_up)
-
-
-@_gelu_tanh_and_mul.register_fake
-def _gelu_tanh_and_mul_fake(gate_up: Tensor) -> Tensor:
-    return gate_up.new_empty(_gated_shape("gelu_tanh_and_mul", gate_up))
-
-
-# --------------------------------------------------------------------------- RoPE
-
-
-@torch.library.custom_op("genq::apply_rope", mutates_args=("q", "k"))
-def _apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
-    check_devices("apply_rope", "q", q, k=k, cos=cos, sin=sin)
-    _apply_rope_impl(q, k, cos, sin)
-
-
-@_apply_rope.register_fake
-def _apply_rope_fake(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
-    check_devices("apply_rope", "q", q, k=k, cos=cos, sin=sin)
-
-
-# --------------------------------------------------------------------------- KV write
-
-
-@torch.library.custom_op("genq::write_kv", mutates_args=("k_cache", "v_cache", "k_scales", "v_scales"))
-def _write_kv(
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    k_scales: Tensor | None,
-    v_scales: Tensor | None,
-) -> None:
-    check_devices("write_kv", "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-                  k_scales=k_scales, v_scales=v_scales)
-    _write_kv_impl(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
-
-
-@_write_kv.register_fake
-def _write_kv_fake(
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    k_scales: Tensor | None,
-    v_scales: Tensor | None,
-) -> None:
-    check_devices("write_kv", "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
-                  k_scales=k_scales, v_scales=v_scales)
+def _write_kv_fake(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                   k_scales: Tensor | None, v_scales: Tensor | None) -> None:
+    """The caches' formats and scales, which the implementations check for themselves."""
     paged_formats(k_cache, v_cache, k_scales, v_scales, k.shape[-1])
 
 
-# --------------------------------------------------------------------------- paged attention
-
-
-def _check_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    page_table: Tensor,
-    cu_seqlens_q: Tensor,
-    context_lens: Tensor,
-    k_scales: Tensor | None,
-    v_scales: Tensor | None,
-) -> None:
-    check_devices("paged_attention", "q", q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
-                  cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, k_scales=k_scales, v_scales=v_scales)
+def _check_attention(q: Tensor, k_cache: Tensor, *_: object) -> None:
+    """The query heads must group evenly over the KV heads (GQA)."""
     if q.shape[1] % k_cache.shape[0]:
         raise ValueError(f"genq::paged_attention: {q.shape[1]} query heads do not group over "
                          f"{k_cache.shape[0]} KV heads")
 
 
-@torch.library.custom_op("genq::paged_attention", mutates_args=())
-def _paged_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    page_table: Tensor,
-    cu_seqlens_q: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-) -> Tensor:
-    _check_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, k_scales, v_scales)
-    return _paged_attention_impl(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, scale,
-                                 sliding_window, softcap, k_scales, v_scales)
-
-
-@_paged_attention.register_fake
-def _paged_attention_fake(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    page_table: Tensor,
-    cu_seqlens_q: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scales: Tensor | None = None,
-    v_scales: Tensor | None = None,
-) -> Tensor:
-    _check_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, context_lens, k_scales, v_scales)
+def _paged_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, *rest: Any) -> Tensor:
+    """The caches' formats and scales (the last two arguments), then the output: q's shape."""
+    k_scales, v_scales = rest[-2:]
     paged_formats(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
     return torch.empty_like(q)
 
 
 # The operators' handles (torch.ops.genq.<name>.default), which kernels/__init__.py's entry points call.
-rms_norm = torch.ops.genq.rms_norm.default
-add_rms_norm = torch.ops.genq.add_rms_norm.default
-silu_and_mul = torch.ops.genq.silu_and_mul.default
-gelu_tanh_and_mul = torch.ops.genq.gelu_tanh_and_mul.default
-apply_rope = torch.ops.genq.apply_rope.default
-write_kv = torch.ops.genq.write_kv.default
-paged_attention = torch.ops.genq.paged_attention.default
+rms_norm = register(
+    "rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset=False) -> Tensor",
+    lambda x, weight, eps, unit_offset: _rms_norm_impl(x, weight, eps, None, unit_offset)[0],
+    lambda x, weight, eps, unit_offset: _norm_like(x, weight, unit_offset))
+add_rms_norm = register(
+    "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool unit_offset=False) -> (Tensor, Tensor)",
+    lambda x, residual, weight, eps, unit_offset: _rms_norm_impl(x, weight, eps, residual, unit_offset),
+    lambda x, residual, weight, eps, unit_offset: (_norm_like(x, weight, unit_offset), x.new_empty(x.shape)))
+silu_and_mul = _gated("silu_and_mul")
+gelu_tanh_and_mul = _gated("gelu_tanh_and_mul")
+apply_rope = register("apply_rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()",
+                      dispatched(reference.apply_rope), lambda *_: None)
+write_kv = register(
+    "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor(c!)? k_scales, Tensor(d!)? v_scales) -> ()",
+    dispatched(reference.write_kv), _write_kv_fake)
+paged_attention = register(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
+    "Tensor context_lens, float scale, SymInt? sliding_window=None, float? softcap=None, Tensor? k_scales=None, "
+    "Tensor? v_scales=None) -> Tensor",
+    dispatched(reference.paged_attention), _paged_attention_fake, _check_attention)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import check_devices, dispatched, triton_enabled
+from kernels.dispatch import dispatched, entry_point, register
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -80,65 +80,17 @@ def quant_matmul_reference(
     return F.linear(x, dequantize_weight(qweight, scales, offsets, bits, group_size, x.dtype), bias)
 
 
-_quant_matmul_impl = dispatched(quant_matmul_reference, "triton_quant_matmul", "quant_matmul")
-
-
-def _check(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bits: int,
-    bias: torch.Tensor | None,
-) -> None:
-    """What the real and the fake operator reject from metadata: tensors on two devices, and a
-    weight that is not 4- or 8-bit or whose K does not match x's."""
-    check_devices("quant_matmul", "x", x, qweight=qweight, scales=scales, offsets=offsets, bias=bias)
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+           bits: int, *_: object) -> None:
+    """What the real and the fake operator reject from metadata (besides a tensor on another
+    device): a weight that is not 4- or 8-bit or whose K does not match x's."""
     if bits not in (4, 8) or qweight.shape[1] * (2 if bits == 4 else 1) != x.shape[-1]:
         raise ValueError(f"genq::quant_matmul: a {bits}-bit qweight {tuple(qweight.shape)} does not multiply x of "
                          f"{x.shape[-1]} features (bits must be 4 or 8)")
 
 
-@torch.library.custom_op("genq::quant_matmul", mutates_args=())
-def _quant_matmul(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    _check(x, qweight, scales, offsets, bits, bias)
-    return _quant_matmul_impl(x, qweight, scales, offsets, bits, group_size, bias)
-
-
-@_quant_matmul.register_fake
-def _quant_matmul_fake(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    _check(x, qweight, scales, offsets, bits, bias)
-    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-
-def quant_matmul(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype: genq::quant_matmul on the Triton path,
-    the reference directly for real CPU tensors (kernels/__init__.py says why)."""
-    if not triton_enabled(x):
-        return quant_matmul_reference(x, qweight, scales, offsets, bits, group_size, bias)
-    out: torch.Tensor = torch.ops.genq.quant_matmul.default(x, qweight, scales, offsets, bits, group_size, bias)
-    return out
+quant_matmul = entry_point(quant_matmul_reference, register(
+    "quant_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor? offsets, SymInt bits, SymInt group_size, "
+    "Tensor? bias=None) -> Tensor",
+    dispatched(quant_matmul_reference, "triton_quant_matmul", "quant_matmul"),
+    lambda x, qweight, *_: x.new_empty((*x.shape[:-1], qweight.shape[0])), _check))

@@ -80,11 +80,8 @@ class ChaosFigures:
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        figures = asdict(self)
-        for name in ("lost", "duplicated_final_results", "bad_streams", "wrong_results", "wrong_hostile_outcomes",
-                     "unexpected_worker_exits"):
-            figures[name] = len(figures[name])
-        return figures
+        """The figures with each list of request ids (or worker nodes) as its length."""
+        return {name: len(value) if isinstance(value, list) else value for name, value in asdict(self).items()}
 
 
 def _wide_schema(properties: int) -> dict[str, Any]:

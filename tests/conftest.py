@@ -130,21 +130,17 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[
     return make
 
 
-@pytest.fixture
-def llava_dir(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Path:
-    return tiny_vlm("llava")[0]
+def _tiny_vlm_part(kind: str, part: int) -> Any:
+    """A fixture giving tiny_vlm(kind)[part]: 0 the model directory, 1 transformers' model."""
+
+    @pytest.fixture
+    def fixture(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Any:
+        return tiny_vlm(kind)[part]
+
+    return fixture
 
 
-@pytest.fixture
-def hf_llava(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Any:
-    return tiny_vlm("llava")[1]
-
-
-@pytest.fixture
-def gemma3_dir(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Path:
-    return tiny_vlm("gemma3")[0]
-
-
-@pytest.fixture
-def hf_gemma3(tiny_vlm: Callable[[str], tuple[Path, Any]]) -> Any:
-    return tiny_vlm("gemma3")[1]
+llava_dir = _tiny_vlm_part("llava", 0)
+hf_llava = _tiny_vlm_part("llava", 1)
+gemma3_dir = _tiny_vlm_part("gemma3", 0)
+hf_gemma3 = _tiny_vlm_part("gemma3", 1)

@@ -4,14 +4,15 @@ commands that only talk to Redis never load torch."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.plan import add_plan_command
 from worker.settings import Settings
@@ -30,6 +31,10 @@ DEMO_PROMPTS = [
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
+    """write a random-weight HF model directory (tests, demo)
+
+    Write a small random-weight Hugging Face model directory with a real byte-level BPE tokenizer and a chat
+    template. Nothing is downloaded."""
     from genq_dev.tiny_model import count_parameters, make_tiny_model, model_config
 
     path = make_tiny_model(args.dir, family=args.family, preset=args.preset, seed=args.seed, dtype=args.dtype,
@@ -51,6 +56,10 @@ def model_problem(model: str | Path | None) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """stream a few completions from the engine (no Redis needed)
+
+    Run a handful of prompts through the continuous-batching engine and print them. Without --model, makes
+    the tiny demo model in .models/tiny-llama first."""
     from engine import Generator, Job, SamplerSettings
     from engine.progress import LoadProgress
     from genq_dev.tiny_model import make_tiny_model
@@ -95,6 +104,11 @@ def _apply_settings(args: argparse.Namespace, names: Sequence[str]) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    """run a GPU (or CPU) worker: Celery threads pool + one engine loop
+
+    Start a Celery worker that loads the model once, runs ONE engine loop owning the continuous-batching
+    generator, and serves genq.generate tasks from the queue. Every option can also be set as GENQ_<NAME>
+    (e.g. GENQ_REDIS_URL); options win."""
     _apply_settings(args, args.settings_fields)
     from worker.app import app
 
@@ -133,6 +147,10 @@ def _run_worker(app: Celery, argv: list[str]) -> int:
 
 
 def _flower(args: argparse.Namespace) -> int:
+    """run Flower against the genq Celery app
+
+    Start Flower (the Celery monitor) for the genq app. Its /api needs basic auth
+    (FLOWER_BASIC_AUTH=user:pass) or FLOWER_UNAUTHENTICATED_API=true."""
     _apply_settings(args, ("redis_url", "queue"))
     command = [sys.executable, "-m", "celery", "-A", "worker.app", "flower", f"--port={args.port}",
                f"--address={args.address}"]
@@ -140,6 +158,10 @@ def _flower(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    """run the HTTP gateway: webhooks, SSE streams, OpenAI-compatible API (no torch needed)
+
+    Serve the FastAPI gateway with uvicorn. Settings come from GENQ_GATEWAY_* and the shared GENQ_*
+    variables (docs/configuration.md); --host and --port win."""
     from producer.gateway.server import serve
 
     serve(args.host, args.port, args.log_level)
@@ -147,6 +169,10 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _callback_worker(args: argparse.Namespace) -> int:
+    """run the CPU worker that delivers completion callbacks (no torch needed)
+
+    A Celery threads-pool worker on GENQ_CALLBACK_QUEUE (default genq-callbacks) running
+    genq.deliver_callback: signed POSTs with retries and exponential backoff."""
     from producer.callbacks import main as callback_worker
 
     callback_worker([f"--loglevel={args.log_level.upper()}"])
@@ -154,6 +180,11 @@ def _callback_worker(args: argparse.Namespace) -> int:
 
 
 def _dev(args: argparse.Namespace) -> int:
+    """the whole service on this machine: Redis, worker, Flower, a streamed demo (make run)
+
+    Start Redis (GENQ_REDIS_URL if set and reachable, else a private redis-server on a free port), fetch the
+    SmolLM2 demo model unless --model is given, start a worker and Flower, send one demo chat question and
+    stream the answer to the terminal, then keep serving until Ctrl-C, which stops everything it started."""
     from worker.dev import run
 
     return run(args.model, args.demo_tokens, args.flower_port)
@@ -164,17 +195,24 @@ DEFAULT_LOG_LEVELS = {"gateway": "INFO"}
 as uvicorn does on its own."""
 
 
+def _command(commands: argparse._SubParsersAction, name: str, func: Callable[[argparse.Namespace], int],
+             summary: str | None = None, description: str | None = None, **options: Any) -> argparse.ArgumentParser:
+    """The subcommand `name`, which runs func(args); its summary and description are by default func's
+    docstring (its first line, and the paragraph after it), so a command is documented in one place."""
+    first, _, rest = inspect.cleandoc(func.__doc__ or "").partition("\n\n")
+    command: argparse.ArgumentParser = commands.add_parser(
+        name, help=summary or first, description=description or " ".join(rest.split()), **options)
+    command.set_defaults(func=func)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genq", description="Queue-fed LLM generation service.")
     parser.add_argument("--log-level", help="logging level (DEBUG, INFO, WARNING, ...; default INFO for `genq "
                                             "gateway`, whose address and access log are INFO lines, else WARNING)")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    tiny = commands.add_parser(
-        "make-tiny-model", help="write a random-weight HF model directory (tests, demo)",
-        description="Write a small random-weight Hugging Face model directory with a real byte-level BPE "
-                    "tokenizer and a chat template. Nothing is downloaded.",
-    )
+    tiny = _command(commands, "make-tiny-model", _make_tiny_model)
     tiny.add_argument("dir", help="output directory")
     tiny.add_argument("--family", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
     tiny.add_argument("--preset", choices=["test", "tiny", "small"], default="tiny",
@@ -182,68 +220,35 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--shards", type=int, default=1, help="number of safetensors shards (index written if > 1)")
-    tiny.set_defaults(func=_make_tiny_model)
 
-    demo = commands.add_parser(
-        "demo", help="stream a few completions from the engine (no Redis needed)",
-        description="Run a handful of prompts through the continuous-batching engine and print them. "
-                    "Without --model, makes the tiny demo model in .models/tiny-llama first.",
-    )
+    demo = _command(commands, "demo", _demo)
     demo.add_argument("--model", help="HF model directory or .gguf file (default: the tiny demo model)")
     demo.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    demo.set_defaults(func=_demo)
 
-    worker = commands.add_parser(
-        "worker", help="run a GPU (or CPU) worker: Celery threads pool + one engine loop",
-        description="Start a Celery worker that loads the model once, runs ONE engine loop owning the "
-                    "continuous-batching generator, and serves genq.generate tasks from the queue. Every "
-                    "option can also be set as GENQ_<NAME> (e.g. GENQ_REDIS_URL); options win.",
-    )
+    worker = _command(commands, "worker", _worker)
     settings_fields = add_settings_options(worker, Settings)
     worker.add_argument("--hostname", help="Celery node name (default genq worker's celery@host)")
-    worker.set_defaults(func=_worker, settings_fields=settings_fields)
+    worker.set_defaults(settings_fields=settings_fields)
 
-    flower = commands.add_parser(
-        "flower", help="run Flower against the genq Celery app",
-        description="Start Flower (the Celery monitor) for the genq app. Its /api needs basic auth "
-                    "(FLOWER_BASIC_AUTH=user:pass) or FLOWER_UNAUTHENTICATED_API=true.",
-    )
+    flower = _command(commands, "flower", _flower)
     flower.add_argument("--port", type=int, default=5555)
     flower.add_argument("--address", default="127.0.0.1")
     flower.add_argument("--redis-url", help="broker URL (GENQ_REDIS_URL)")
     flower.add_argument("--queue", help="queue name (GENQ_QUEUE)")
-    flower.set_defaults(func=_flower)
 
-    gateway = commands.add_parser(
-        "gateway", help="run the HTTP gateway: webhooks, SSE streams, OpenAI-compatible API (no torch needed)",
-        description="Serve the FastAPI gateway with uvicorn. Settings come from GENQ_GATEWAY_* and the shared "
-                    "GENQ_* variables (docs/configuration.md); --host and --port win.",
-    )
+    gateway = _command(commands, "gateway", _gateway)
     gateway.add_argument("--host", help="bind address (GENQ_GATEWAY_HOST, default 127.0.0.1)")
     gateway.add_argument("--port", type=int, help="bind port (GENQ_GATEWAY_PORT, default 8000)")
-    gateway.set_defaults(func=_gateway)
 
-    callbacks = commands.add_parser(
-        "callback-worker", help="run the CPU worker that delivers completion callbacks (no torch needed)",
-        description="A Celery threads-pool worker on GENQ_CALLBACK_QUEUE (default genq-callbacks) running "
-                    "genq.deliver_callback: signed POSTs with retries and exponential backoff.",
-    )
-    callbacks.set_defaults(func=_callback_worker)
+    _command(commands, "callback-worker", _callback_worker)
 
-    dev = commands.add_parser(
-        "dev", help="the whole service on this machine: Redis, worker, Flower, a streamed demo (make run)",
-        description="Start Redis (GENQ_REDIS_URL if set and reachable, else a private redis-server on a free "
-                    "port), fetch the SmolLM2 demo model unless --model is given, start a worker and Flower, "
-                    "send one demo chat question and stream the answer to the terminal, then keep serving "
-                    "until Ctrl-C, which stops everything it started.",
-    )
+    dev = _command(commands, "dev", _dev)
     dev.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched "
                                      "once into .models/; the tiny random model if that fails)")
     dev.add_argument("--demo-tokens", type=int, default=256, help="most tokens in the demo answer")
     dev.add_argument("--flower-port", type=int, help="default: a free port")
-    dev.set_defaults(func=_dev)
     add_plan_command(commands)
     _add_producer_commands(commands)
     return parser
@@ -272,10 +277,9 @@ def _add_producer_commands(commands: argparse._SubParsersAction) -> None:
     the client library."""
 
     def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:
-        parser = commands.add_parser(name, help=summary, description=description, epilog=PRODUCER_EXIT_CODES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = _command(commands, name, _producer_command, summary, description, epilog=PRODUCER_EXIT_CODES,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--redis-url", help="streams, broker and results (GENQ_REDIS_URL)")
-        parser.set_defaults(func=_producer_command)
         return parser
 
     submit = add(
