@@ -30,6 +30,10 @@ def create_app(settings: Settings | None = None) -> Celery:
     config["broker_transport_options"].update(
         unacked_restore_interval=max(1, min(10, settings.visibility_timeout_s // 2)), unacked_restore_throttle=1
     )
+    if settings.tenant_lanes:
+        # Take from the queue and its tenant lanes in turn: kombu moves the list a task came from to
+        # the end of the next BRPOP's keys (producer/routing.py, docs/protocol.md Fair share).
+        config["broker_transport_options"]["queue_order_strategy"] = "round_robin"
     register(PACED_JSON, paced_result_json, json_loads, content_type="application/json", content_encoding="utf-8")
     app.conf.update(
         config,
