@@ -96,6 +96,10 @@ class Settings(ClientSettings):
         default_factory=dict,
         description="fair share between tenants: a named tenant's weight in the engine's admission, as "
                     "NAME=WEIGHT,... (e.g. a=2,b=1); other tenants weigh 1 (docs/engine.md, Fair share)")
+    lane_reserve: int = Field(
+        default=1, ge=0,
+        description="with tenant lanes on (GENQ_TENANT_LANES): task slots no single queue or lane may take, kept "
+                    "for another tenant's next task (docs/protocol.md, Fair share between tenants)")
     prefix_route: str | None = Field(
         default=None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
         description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py): requests "
@@ -117,6 +121,9 @@ class Settings(ClientSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
+        if self.tenant_lanes and self.lane_reserve >= self.concurrency:
+            raise ValueError(f"GENQ_LANE_RESERVE: {self.lane_reserve} reserved task slots leave none of "
+                             f"GENQ_CONCURRENCY={self.concurrency} to take tasks with; keep it below")
         if self.ngram_draft and self.draft_model:
             raise ValueError("GENQ_NGRAM_DRAFT and GENQ_DRAFT_MODEL: choose one way to draft")
         for route in self.prefix_routes_served:
