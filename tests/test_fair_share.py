@@ -1,19 +1,22 @@
 """Fair admission between tenants (issue 29): the scheduler over hand-built sequences. Weighted
 token shares over many steps, a newcomer admitted ahead of a flood's backlog, no credit banked
 while idle, priority classes first, and preemption of a running job for a strictly more urgent
-class only."""
+class only; GENQ_TENANT_WEIGHTS reaching the generator's scheduler."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
+from engine import Generator
 from engine.fair_share import FairQueue
 from engine.job import Job
 from engine.kv_manager import KVManager
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from worker.settings import Settings
 
 PAGE = 4
 
@@ -167,3 +170,12 @@ def test_tenant_weights_out_of_bounds_are_refused_naming_the_tenant_and_the_limi
         FairQueue({"a": 0})
     with pytest.raises(ValueError, match=r"tenant_weights: tenant name 'a b' must match"):
         FairQueue({"a b": 1.0})
+
+
+def test_the_workers_tenant_weights_reach_the_generators_scheduler(llama_dir: Path):
+    config = Settings(tenant_weights="acme=2, globex=0.5").engine_config()
+    assert config.scheduler.tenant_weights == {"acme": 2.0, "globex": 0.5}
+    generator = Generator.from_pretrained(llama_dir, config=config, cache_tokens=256)
+    assert generator.scheduler.waiting.weights == {"acme": 2.0, "globex": 0.5}
+    with pytest.raises(ValueError, match=r"GENQ_TENANT_WEIGHTS: 'acme' is not NAME=WEIGHT"):
+        Settings(tenant_weights="acme")
