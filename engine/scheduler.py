@@ -221,7 +221,7 @@ class Scheduler:
     def _preempt_for_urgent(self, step: _Draft) -> None:
         """Make room for the first waiting sequence by preempting running ones of a strictly less
         urgent class (least urgent class first, newest first), while the batch is full or the
-        free pages do not cover it."""
+        free pages do not cover it; none when even all of their pages would not cover it."""
         urgent = self.waiting.most_urgent()
         if urgent is None or max(s.job.priority for s in self._running.values()) <= urgent:
             return
@@ -229,6 +229,8 @@ class Scheduler:
         victims = sorted((s for s in reversed(self._running.values()) if s.job.priority > urgent),
                          key=lambda s: -s.job.priority)
         needed = self._pages_needed(head, self.kv.cached_prefix(head))
+        if self.kv.num_free - self._promised() + sum(len(v.pages) for v in victims) < needed:
+            return
         for victim in victims:
             if len(self._running) < self.max_batch_size and self.kv.num_free - self._promised() >= needed:
                 return

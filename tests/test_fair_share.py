@@ -179,3 +179,17 @@ def test_the_workers_tenant_weights_reach_the_generators_scheduler(llama_dir: Pa
     assert generator.scheduler.waiting.weights == {"acme": 2.0, "globex": 0.5}
     with pytest.raises(ValueError, match=r"GENQ_TENANT_WEIGHTS: 'acme' is not NAME=WEIGHT"):
         Settings(tenant_weights="acme")
+
+
+def test_no_job_is_preempted_when_even_all_less_urgent_pages_would_not_make_room():
+    s = scheduler(num_pages=6, max_batch_size=8)
+    jobs = Jobs()
+    urgent_running = jobs.make("a", prompt=7, max_new_tokens=50, priority=0)
+    relaxed = jobs.make("b", prompt=3, max_new_tokens=50, priority=5)
+    s.add(urgent_running)
+    s.add(relaxed)
+    step(s)  # 2 + 1 pages held, 3 free
+    big = jobs.make("c", prompt=22, priority=1)  # needs 6 pages: 3 free + relaxed's 1 are not enough
+    s.add(big)
+    out = step(s)
+    assert out.preempted == () and relaxed in s.running and big in s.waiting
