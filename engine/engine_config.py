@@ -9,6 +9,7 @@ that owns the field of that name: the field names here are the only list.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -39,13 +40,15 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How many jobs and tokens a step may hold (None: from the model and the cache)."""
+    """How many jobs and tokens a step may hold (None: from the model and the cache). tenant_weights:
+    each named tenant's weight in fair admission (engine/fair_share.py; others weigh 1)."""
 
     max_batch_size: int | None = None
     max_seq_len: int | None = None
     max_chunk_size: int | None = None
     max_pending: int = DEFAULT_MAX_PENDING
     max_skips: int = 16
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

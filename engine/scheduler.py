@@ -29,9 +29,16 @@ the newest running sequence (vLLM's recompute policy): its pages are freed
 and it goes back to the head of the queue with its generated tokens kept, to
 be prefilled again later. Admission may pass over a waiting sequence that
 does not fit yet, but at most max_skips times (the job's own, else the
-generator's); after that nothing overtakes it, so no job starves. Waiting
-sequences are ordered by their job's priority (lower first, then arrival);
-a running job is never preempted for a more urgent one.
+generator's); after that nothing overtakes it, so no job starves.
+
+Waiting sequences are offered for admission by priority class (the job's
+priority, lower first) and, within a class, fairly between tenants: weighted
+fair queueing over the tokens each tenant's jobs had computed
+(engine/fair_share.py). When the most urgent waiting sequence is of a
+strictly more urgent class than some running ones and the batch is full (or
+the free pages do not cover it), those running ones are preempted as under
+page pressure, least urgent class first and newest first within it; a
+running job is never preempted for one of its own class.
 
 The schedule a step returns is immutable. After the forward, the generator
 appends the sampled tokens to the sequences and calls update_from_output with
@@ -42,12 +49,12 @@ and of positions out of a sliding window, and drop finished sequences.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.embeddings import span_containing
-from engine.kv_manager import KVManager
+from engine.fair_share import FairQueue
+from engine.kv_manager import CachedPrefix, KVManager
 from engine.sequence import Sequence
 
 
@@ -94,6 +101,7 @@ class Scheduler:
         max_skips: int = 16,
         num_draft_tokens: int = 0,
         max_speculative_batch: int = 0,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         self.kv = kv
         self.num_draft_tokens = num_draft_tokens
@@ -101,7 +109,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_chunk_size = max_chunk_size
         self.max_skips = max_skips
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue(tenant_weights)
         self._running: dict[int, Sequence] = {}
         self.num_preemptions = 0
 
@@ -115,16 +123,14 @@ class Scheduler:
         return len(self._running)
 
     def add(self, sequence: Sequence) -> None:
-        """Queue a sequence behind every waiting one of the same or a more urgent (lower) priority."""
-        priority = sequence.job.priority
-        position = len(self.waiting)
-        while position > 0 and self.waiting[position - 1].job.priority > priority:
-            position -= 1
-        self.waiting.insert(position, sequence)
+        """Queue a sequence behind its tenant's waiting ones of the same priority class."""
+        self.waiting.add(sequence)
 
     def remove(self, sequence: Sequence) -> None:
         """Drop a finished or cancelled sequence and free its pages now."""
-        if self._running.pop(sequence.serial, None) is None and sequence in self.waiting:
+        if self._running.pop(sequence.serial, None) is not None:
+            self.waiting.stopped(sequence)
+        elif sequence in self.waiting:
             self.waiting.remove(sequence)
         self.kv.free(sequence)
 
@@ -133,15 +139,20 @@ class Scheduler:
         rewind) to the head of the queue to be prefilled again, as a preemption does: its pages
         go back (named ones stay in the prefix cache, so the kept prefix is found again). It may
         have finished meanwhile (removed), then it simply runs again."""
-        if self._running.pop(sequence.serial, None) is None and sequence in self.waiting:
+        running = self._running.pop(sequence.serial, None) is not None
+        if not running and sequence in self.waiting:
             self.waiting.remove(sequence)
         self.kv.free(sequence)
         self.kv.forget_hashes_past(sequence, len(sequence.token_ids))
         sequence.num_computed = 0
-        self.waiting.appendleft(sequence)
+        self.waiting.add(sequence, front=True)
+        if running:
+            self.waiting.stopped(sequence)
 
     def schedule(self) -> SchedulerOutput:
         step = _Draft(self.max_chunk_size)
+        if self.waiting and self._running:
+            self._preempt_for_urgent(step)
         # One pass sorts the running sequences; one preempted below leaves _running and is skipped.
         decoding: list[Sequence] = []
         prefilling: list[Sequence] = []
@@ -187,20 +198,49 @@ class Scheduler:
             sequence = item.sequence
             if sequence.serial not in self._running:
                 continue
-            sequence.num_computed += item.num_tokens + accepted_drafts.get(sequence.serial, 0)
+            computed = item.num_tokens + accepted_drafts.get(sequence.serial, 0)
+            sequence.num_computed += computed
+            self.waiting.charge(sequence, computed)
             if item.draft_room:
                 kv.trim(sequence, len(sequence.token_ids))
             kv.release_out_of_window(sequence)
         for sequence in finished:
             self.remove(sequence)
 
+    def _promised(self) -> int:
+        """Pages the running prefills still need for their whole prompts."""
+        kv = self.kv
+        return sum(kv.pages_for(len(s.token_ids)) - len(s.pages)
+                   for s in self._running.values() if s.num_uncomputed > 1)
+
+    def _pages_needed(self, sequence: Sequence, prefix: CachedPrefix) -> int:
+        """Free pages admitting the sequence takes: its whole prompt and first token, less its cached
+        prefix (parked pages of which count: reviving them takes them from the free ones)."""
+        return self.kv.pages_for(len(sequence.token_ids) + 1) - len(prefix.pages) + prefix.num_parked
+
+    def _preempt_for_urgent(self, step: _Draft) -> None:
+        """Make room for the first waiting sequence by preempting running ones of a strictly less
+        urgent class (least urgent class first, newest first), while the batch is full or the
+        free pages do not cover it; none when even all of their pages would not cover it."""
+        urgent = self.waiting.most_urgent()
+        if urgent is None or max(s.job.priority for s in self._running.values()) <= urgent:
+            return
+        head = next(iter(self.waiting))
+        victims = sorted((s for s in reversed(self._running.values()) if s.job.priority > urgent),
+                         key=lambda s: -s.job.priority)
+        needed = self._pages_needed(head, self.kv.cached_prefix(head))
+        if self.kv.num_free - self._promised() + sum(len(v.pages) for v in victims) < needed:
+            return
+        for victim in victims:
+            if len(self._running) < self.max_batch_size and self.kv.num_free - self._promised() >= needed:
+                return
+            self._preempt(victim, step)
+
     def _admit(self, step: _Draft) -> None:
         kv = self.kv
-        promised = sum(
-            kv.pages_for(len(s.token_ids)) - len(s.pages) for s in self._running.values() if s.num_uncomputed > 1
-        )
+        promised = self._promised()
         passed_over: list[Sequence] = []
-        for sequence in list(self.waiting):
+        for sequence in self.waiting:
             if step.budget == 0 or len(self._running) >= self.max_batch_size:
                 break
             if any(s.skips >= self._skip_limit(s) for s in passed_over):
@@ -210,8 +250,7 @@ class Scheduler:
             chunk = _whole_spans(sequence, start, min(len(sequence.token_ids) - start, step.budget))
             if not chunk:
                 break  # its next image needs more of this step's budget than is left
-            needed = kv.pages_for(len(sequence.token_ids) + 1) - len(prefix.pages) + prefix.num_parked
-            if kv.num_free - promised < needed:
+            if kv.num_free - promised < self._pages_needed(sequence, prefix):
                 passed_over.append(sequence)
                 continue
             for earlier in passed_over:
@@ -220,7 +259,7 @@ class Scheduler:
             if sequence.time_started is None:
                 sequence.cached_tokens = sequence.num_computed
                 step.started.append(sequence)
-            self.waiting.remove(sequence)
+            self.waiting.started(sequence)
             self._running[sequence.serial] = sequence
             kv.grow(sequence, sequence.num_computed + chunk)
             promised += kv.pages_for(len(sequence.token_ids)) - len(sequence.pages)
@@ -258,7 +297,8 @@ class Scheduler:
         del self._running[sequence.serial]
         self.kv.free(sequence)
         sequence.num_computed = 0
-        self.waiting.appendleft(sequence)
+        self.waiting.add(sequence, front=True)
+        self.waiting.stopped(sequence)  # after add: a tenant with nothing else keeps its counter
         step.preempted.append(sequence)
         self.num_preemptions += 1
 

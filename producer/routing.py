@@ -20,6 +20,16 @@ Every route needs a worker consuming it, or its requests wait for one: run
 one worker per route (with a restart policy), or give each route to two
 workers for redundancy at some cost in hit rate. The hash is SHA-256, not
 Python's hash(), so every producer process agrees on the routes.
+
+Tenant lanes (opt-in, GENQ_TENANT_LANES=N; docs/protocol.md, Fair share): a
+request naming a tenant goes to the lane `{queue}.lane{j}` of the queue chosen
+above, j the SHA-256 of the tenant modulo N; a request without a tenant stays
+on the queue itself. Workers consume the queue and all its lanes, and switch
+kombu's Redis transport to its round-robin queue cycle: after each delivery
+the list it came from moves to the end of the BRPOP key order, so a free task
+slot goes to the next lane with work, and one tenant's backlog no longer
+stands in front of another's. Priorities still come first: kombu lists every
+queue's priority-0 keys before any queue's priority-1 keys.
 """
 
 from __future__ import annotations
@@ -32,10 +42,32 @@ from producer.protocol import TASK_NAME
 
 ROUTE_SEPARATOR = ".route"
 MAX_PREFIX_ROUTES = 1024
+LANE_SEPARATOR = ".lane"
+MAX_TENANT_LANES = 64
+"""Every BRPOP lists each lane's ten priority keys: 64 lanes make 650 keys per served queue."""
 
 
 def route_queue(queue: str, route: int) -> str:
     return f"{queue}{ROUTE_SEPARATOR}{route}"
+
+
+def lane_queue(queue: str, lane: int) -> str:
+    return f"{queue}{LANE_SEPARATOR}{lane}"
+
+
+def tenant_queue(queue: str, tenant: str | None, lanes: int) -> str:
+    """The list a tenant's requests for `queue` go to: its lane with lanes on, else the queue itself.
+    The gateway and the clients route through this (via ClientSettings.queue_for)."""
+    if not lanes or tenant is None:
+        return queue
+    digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).digest()
+    return lane_queue(queue, int.from_bytes(digest[:8], "big") % lanes)
+
+
+def with_lanes(queues: list[str], lanes: int) -> list[str]:
+    """Every list the given queues spread over: each queue, then its lanes. What a worker consumes,
+    and what a queue's depth must count."""
+    return [name for queue in queues for name in (queue, *(lane_queue(queue, lane) for lane in range(lanes)))]
 
 
 def request_prefix(kwargs: Mapping[str, Any], chars: int) -> str:

@@ -18,7 +18,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from producer.protocol import DEFAULT_KEY_PREFIX, DEFAULT_QUEUE, PRIORITY_STEPS
 from producer.redis_connect import celery_transport_options, connect, connect_async, is_sentinel_url, parse_sentinel_url
-from producer.routing import MAX_PREFIX_ROUTES, prefix_route, route_queue
+from producer.routing import MAX_PREFIX_ROUTES, MAX_TENANT_LANES, prefix_route, route_queue, tenant_queue
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -52,6 +52,9 @@ class ClientSettings(BaseSettings):
                                description="opt-in prefix-aware routing over this many queues (producer/routing.py)")
     prefix_route_chars: int = Field(default=256, ge=1, validation_alias="GENQ_PREFIX_ROUTE_CHARS",
                                     description="characters of a request's start that choose its route")
+    tenant_lanes: int = Field(default=0, ge=0, le=MAX_TENANT_LANES, validation_alias="GENQ_TENANT_LANES",
+                              description="opt-in tenant lanes: a request naming a tenant waits in one of this many "
+                                          "lists per queue, which workers take from in turn (producer/routing.py)")
 
     @model_validator(mode="after")
     def _sentinel_urls_are_usable(self) -> ClientSettings:
@@ -77,11 +80,12 @@ class ClientSettings(BaseSettings):
 
     def queue_for(self, kwargs: Mapping[str, Any], queue: str | None = None) -> str:
         """The queue a request goes to: the model's (`queue`, else the configured one), or its
-        prefix route's when routing is on."""
+        prefix route's when routing is on; then its tenant's lane when lanes are on."""
         queue = queue or self.queue
-        if not self.prefix_routes:
-            return queue
-        return route_queue(queue, prefix_route(kwargs, self.prefix_routes, self.prefix_route_chars))
+        if self.prefix_routes:
+            queue = route_queue(queue, prefix_route(kwargs, self.prefix_routes, self.prefix_route_chars))
+        tenant = kwargs.get("tenant")
+        return tenant_queue(queue, tenant if isinstance(tenant, str) else None, self.tenant_lanes)
 
     def redis(self, url: str | None = None, **options: Any) -> redis.Redis:
         """A client for redis_url (or `url`), plain or through Sentinel."""

@@ -77,7 +77,7 @@ def test_newest_running_sequence_is_preempted_when_pages_run_out():
     finish_step(s, s.schedule())  # both decode position 7, still in their second page
     out = s.schedule()  # both decode position 8: a fresh page each, none is free
     assert [i.sequence for i in out.scheduled] == [a]
-    assert out.preempted == (b,) and b.num_computed == 0 and b.pages == [] and s.waiting[0] is b
+    assert out.preempted == (b,) and b.num_computed == 0 and b.pages == [] and next(iter(s.waiting)) is b
     assert s.num_preemptions == 1
     finish_step(s, out, finished=[a])
     out = s.schedule()  # b comes back and recomputes its prompt and its generated tokens

@@ -12,6 +12,7 @@ from kombu.utils.json import loads as json_loads
 from producer.routing import task_router
 from producer.settings import celery_base_config
 from worker import bootsteps
+from worker.lane_cycle import LANE_POLL_S, lane_cycle
 from worker.pacing import paced_result_json
 from worker.settings import Settings
 
@@ -30,6 +31,12 @@ def create_app(settings: Settings | None = None) -> Celery:
     config["broker_transport_options"].update(
         unacked_restore_interval=max(1, min(10, settings.visibility_timeout_s // 2)), unacked_restore_throttle=1
     )
+    if settings.tenant_lanes:
+        # Take from the queue and its tenant lanes in turn, none holding the reserved task slots
+        # (worker/lane_cycle.py, docs/protocol.md Fair share).
+        config["broker_transport_options"].update(
+            queue_order_strategy=lane_cycle(settings.concurrency, settings.lane_reserve), polling_interval=LANE_POLL_S
+        )
     register(PACED_JSON, paced_result_json, json_loads, content_type="application/json", content_encoding="utf-8")
     app.conf.update(
         config,

@@ -6,12 +6,14 @@ visibility timeout, queue name and key prefix can never disagree between them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
 
+from engine.fair_share import check_weights
 from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE
-from producer.routing import route_queue
+from producer.routing import route_queue, with_lanes
 from producer.settings import ClientSettings
 from producer.tenants.settle import DEFAULT_USAGE_RETENTION_S
 
@@ -98,6 +100,14 @@ class Settings(ClientSettings):
                            description="LoRA adapters resident on the device at once; the least recently used one "
                                        "no running request holds moves to host memory for another (vLLM's "
                                        "--max-loras)")
+    tenant_weights: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict,
+        description="fair share between tenants: a named tenant's weight in the engine's admission, as "
+                    "NAME=WEIGHT,... (e.g. a=2,b=1); other tenants weigh 1 (docs/engine.md, Fair share)")
+    lane_reserve: int = Field(
+        default=1, ge=0,
+        description="with tenant lanes on (GENQ_TENANT_LANES): task slots no single queue or lane may take, kept "
+                    "for another tenant's next task (docs/protocol.md, Fair share between tenants)")
     prefix_route: str | None = Field(
         default=None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
         description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py): requests "
@@ -112,8 +122,16 @@ class Settings(ClientSettings):
             raise ValueError(f"GENQ_LORA: adapter name(s) {', '.join(repeated)} given twice")
         return entries
 
+    @field_validator("tenant_weights", mode="before")
+    @classmethod
+    def _weights(cls, value: Any) -> dict[str, float]:
+        return check_weights(_weight_entries(value) if isinstance(value, str) else value, "GENQ_TENANT_WEIGHTS")
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
+        if self.tenant_lanes and self.lane_reserve >= self.concurrency:
+            raise ValueError(f"GENQ_LANE_RESERVE: {self.lane_reserve} reserved task slots leave none of "
+                             f"GENQ_CONCURRENCY={self.concurrency} to take tasks with; keep it below")
         if self.ngram_draft and self.draft_model:
             raise ValueError("GENQ_NGRAM_DRAFT and GENQ_DRAFT_MODEL: choose one way to draft")
         for route in self.prefix_routes_served:
@@ -133,8 +151,9 @@ class Settings(ClientSettings):
 
     @property
     def queues(self) -> list[str]:
-        """The shared queue, then the prefix routes this worker serves."""
-        return [self.queue] + [route_queue(self.queue, route) for route in self.prefix_routes_served]
+        """The shared queue, then the prefix routes this worker serves; each followed by its tenant lanes."""
+        served = [self.queue] + [route_queue(self.queue, route) for route in self.prefix_routes_served]
+        return with_lanes(served, self.tenant_lanes)
 
     def engine_config(self) -> EngineConfig:
         """The engine's config from these settings: each field named like an engine option (or as
@@ -159,3 +178,15 @@ def _adapter_entry(entry: str) -> tuple[str, str]:
     if not IDENTIFIER_RE.fullmatch(name):
         raise ValueError(f"GENQ_LORA: adapter name {name!r} must match {IDENTIFIER_PATTERN}")
     return name, path
+
+
+def _weight_entries(text: str) -> dict[str, float]:
+    """NAME=WEIGHT,... -> {name: weight}; ValueError naming the entry that is not one."""
+    weights: dict[str, float] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, _, number = entry.partition("=")
+        try:
+            weights[name.strip()] = float(number)
+        except ValueError:
+            raise ValueError(f"GENQ_TENANT_WEIGHTS: {entry!r} is not NAME=WEIGHT") from None
+    return weights

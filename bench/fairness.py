@@ -1,0 +1,189 @@
+"""Fair share under a flood: one tenant's time to first chunk while another floods the queue.
+
+One run starts a private redis-server and, per mode, one real `genq worker` (tiny random-weight
+llama, --concurrency task slots, the engine's batch as large). The interactive tenant sends
+--interactive requests one after the other (a short prompt, 2 new tokens, EOS ignored), each
+timed from submit to its first `chunk` event on the request's pub/sub channel; its final event's
+`timings.queued_s` says how much of that it waited in the engine's queue (the rest: in the broker,
+the worker's intake, the prefill step and the way back):
+
+  idle     the interactive tenant alone: the baseline.
+  shared   the flood tenant first sends --flood requests at once (8 to 24 new tokens each,
+           EOS ignored), then the interactive tenant sends its requests; one list per queue
+           (tenant lanes off), as before issue 29.
+  lanes    the same with GENQ_TENANT_LANES=--lanes on the producer and the worker: the two
+           tenants wait in lists of their own, which the worker takes from in turn, no list
+           holding the one reserved task slot (GENQ_LANE_RESERVE=1).
+
+The interactive requests start once the worker holds --concurrency flood tasks; the run records
+how many flood tasks were still queued when the last interactive request got its first chunk.
+
+    python bench/fairness.py            # 200 flood tasks, 20 interactive requests, concurrency 4
+    python bench/fairness.py --quick    # 60 flood tasks, 5 interactive requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench_common import (
+    ensure_model,
+    load_average,
+    machine_info,
+    percentiles_ms,
+    progress,
+    save_figure,
+    warn_if_busy,
+    write_results,
+)
+
+from producer.client import GenqClient
+from producer.routing import tenant_queue
+from worker.processes import RedisServer, WorkerProcess
+
+TIMING_METHOD = ("wall: time.perf_counter() from submit to the request's first chunk event (pub/sub); "
+                 "engine wait: the final event's timings.queued_s")
+FLOOD, INTERACTIVE = "flood", "interactive"  # different lanes of 4
+MODES = ("idle", "shared", "lanes")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flood", type=int, default=200, help="requests the flooding tenant sends at once")
+    parser.add_argument("--interactive", type=int, default=20, help="requests the other tenant sends, one by one")
+    parser.add_argument("--concurrency", type=int, default=4, help="the worker's task slots and engine batch")
+    parser.add_argument("--lanes", type=int, default=4, help="GENQ_TENANT_LANES in the lanes mode")
+    parser.add_argument("--preset", default="tiny", help="tiny model preset (genq_dev/tiny_model.py)")
+    parser.add_argument("--quick", action="store_true", help="60 flood tasks, 5 interactive requests")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.flood, args.interactive = 60, 5
+    return args
+
+
+def timed_request(client: GenqClient, tenant: str) -> tuple[float, float]:
+    """Seconds from submit to the first chunk event, and of them waiting in the engine's queue.
+    Returns once the result is stored, as a user who reads the whole answer before asking again."""
+    begun = time.perf_counter()
+    first_chunk = None
+    handle = client.submit({"prompt": "Hello there, how are", "max_new_tokens": 2, "ignore_eos": True,
+                            "tenant": tenant}, identifier=f"{tenant}-{uuid.uuid4().hex[:12]}")
+    try:
+        for event in handle.events(timeout=600):
+            if event.event == "chunk" and first_chunk is None:
+                first_chunk = time.perf_counter() - begun
+            elif event.event == "done" and first_chunk is not None and event.timings is not None:
+                handle.result(timeout=600)
+                return first_chunk, event.timings.queued_s
+        raise RuntimeError(f"request {handle.id} ended without a chunk and its timings")
+    finally:
+        handle.close()
+
+
+def run_mode(mode: str, model: Path, args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[str, Any]:
+    queue = f"bench-fair-{mode}"
+    lanes = args.lanes if mode == "lanes" else 0
+    options = {"cache_tokens": 16384, "page_size": 16, "concurrency": args.concurrency,
+               "max_batch_size": args.concurrency, "tenant_lanes": lanes, "shutdown_grace": 0}
+    worker = WorkerProcess(model, redis_url, queue, mode, workdir / f"{mode}.log", options)
+    client = GenqClient(redis_url, queue=queue)
+    client.settings = client.settings.model_copy(update={"tenant_lanes": lanes})
+    flood_list = tenant_queue(queue, FLOOD, lanes)
+    try:
+        worker.start()
+        worker.wait_ready(client.celery, timeout=300)
+        timed_request(client, INTERACTIVE)  # the first request of a process pays for its setup
+        if mode != "idle":
+            for handle in client.submit_many([{"prompt": f"Flood request {i}: tell me a long story",
+                                               "max_new_tokens": 8 + i % 17, "ignore_eos": True, "tenant": FLOOD}
+                                              for i in range(args.flood)]):
+                handle.close()
+            while client.redis.llen(flood_list) > args.flood - args.concurrency:
+                time.sleep(0.005)
+        progress(f"{mode}: {args.interactive} interactive requests")
+        timings = [timed_request(client, INTERACTIVE) for _ in range(args.interactive)]
+        backlog = client.redis.llen(flood_list) if mode != "idle" else None
+    finally:
+        client.redis.delete(flood_list)
+        client.close()
+        worker.stop()
+    figures = {"first_chunk_ms": percentiles_ms([t[0] for t in timings]),
+               "engine_wait_ms": percentiles_ms([t[1] for t in timings]),
+               "first_chunk_all_ms": [round(t[0] * 1000, 1) for t in timings],
+               "flood_queued_at_end": backlog}
+    progress(f"{mode}: {figures}")
+    return figures
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(results["modes"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    colors = {"idle": "#999", "shared": "#c44", "lanes": "#2a7"}
+    for i, mode in enumerate(modes):
+        values = results["modes"][mode]["first_chunk_all_ms"]
+        axes[0].scatter([i] * len(values), values, color=colors[mode], alpha=0.6)
+    axes[0].set_xticks(range(len(modes)), modes)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("ms")
+    axes[0].set_title("interactive tenant: time to first chunk, each request")
+    lanes_modes = [m for m in modes if m != "shared"]
+    for key, offset, label in (("first_chunk_ms", -0.2, "first chunk"), ("engine_wait_ms", 0.2, "of it in the engine")):
+        axes[1].bar([j + offset for j in range(len(lanes_modes))],
+                    [results["modes"][m][key]["p99"] for m in lanes_modes], 0.4, label=label)
+    axes[1].set_xticks(range(len(lanes_modes)), lanes_modes)
+    axes[1].set_ylabel("p99 ms")
+    axes[1].set_title("p99: idle vs flood with tenant lanes")
+    axes[1].legend()
+    s = results["settings"]
+    fig.suptitle(f"{s['flood']} flood tasks, {s['interactive']} interactive requests, concurrency and batch "
+                 f"{s['concurrency']}, {s['lanes']} lanes - {results['machine']['date']}", fontsize=9)
+    save_figure(fig, path, dpi=100)
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    idle = results["modes"]["idle"]["first_chunk_ms"]["p99"]
+    rows = ["| mode | first chunk p50 / p99 | engine wait p50 / p99 | p99 / idle p99 | flood tasks still queued |",
+            "|---|---|---|---|---|"]
+    for mode, f in results["modes"].items():
+        rows.append(f"| {mode} | {f['first_chunk_ms']['p50']:.0f} / {f['first_chunk_ms']['p99']:.0f} ms | "
+                    f"{f['engine_wait_ms']['p50']:.1f} / {f['engine_wait_ms']['p99']:.1f} ms | "
+                    f"{f['first_chunk_ms']['p99'] / idle:.1f}x | "
+                    f"{f['flood_queued_at_end'] if mode != 'idle' else '-'} |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    warn_if_busy(1)
+    model = ensure_model(args.preset)
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "settings": {"flood": args.flood, "interactive": args.interactive, "concurrency": args.concurrency,
+                     "lanes": args.lanes, "preset": args.preset, "flood_max_new_tokens": "8 + i % 17",
+                     "interactive_max_new_tokens": 2},
+        "timing": TIMING_METHOD,
+        "modes": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp), persistence="none") as server:
+        for mode in MODES:
+            results["modes"][mode] = run_mode(mode, model, args, server.url, Path(tmp))
+    results["machine"]["load_average_at_end"] = load_average()
+    write_results(results, args.out, "fairness", args.quick, plot, markdown_table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
