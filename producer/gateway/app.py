@@ -96,7 +96,7 @@ from producer.protocol import (
     Usage,
 )
 from producer.reasoning import ReasoningFormat, ReasoningStream
-from producer.routing import route_queue
+from producer.routing import route_queue, with_lanes
 from producer.signing import task_access_token
 from producer.tool_calls import ContentDelta, ToolCallStream, ToolFormat, call_seed
 
@@ -176,8 +176,10 @@ class Gateway:
         await self.broker.aclose()
 
     async def queue_depth(self, queue: str) -> int:
-        """Tasks waiting in the model's queue and, with prefix routing, in all its routes."""
-        queues = [queue] + [route_queue(queue, route) for route in range(self.settings.prefix_routes)]
+        """Tasks waiting in the model's queue and, with prefix routing, in all its routes, and with
+        tenant lanes, in all their lanes."""
+        queues = with_lanes([queue] + [route_queue(queue, route) for route in range(self.settings.prefix_routes)],
+                            self.settings.tenant_lanes)
         async with self.broker.pipeline(transaction=False) as pipe:
             for queue in queues:
                 for level in PRIORITY_LEVELS:
