@@ -143,3 +143,22 @@ def test_batched_product_over_slices_equals_each_adapters_own(base_and_adapters:
                 lora_add_reference(want, x, a, b, torch.arange(offset, offset + count))
             offset += count
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_selection_of_slots_never_outlives_a_refilled_slot(
+        base_and_adapters: tuple[Path, dict[str, Path]]) -> None:
+    """The stacked weights of a step's slots are kept for the next step; slots out of order are
+    copies, so freeing and refilling one of them must give the next step the new adapter's."""
+    adapters = loaded(*base_and_adapters)
+    slots = LoraSlots()
+    assert (slots.slot(adapters["narrow"]), slots.slot(adapters["wide"])) == (0, 1)
+    key = (0, "qkv_proj")
+    first = slots.weights((1, 0))
+    assert slots.weights((1, 0)) is first, "kept while the slots stay the same"
+    slots.release(adapters["wide"])
+    assert slots.slot(adapters["mid"]) == 1
+    a_t = slots.weights((1, 0))[key][0]
+    mid_a, _ = adapters["mid"].weights[key]
+    k_slice = slots.linears[key].slices[1]
+    assert torch.equal(a_t[0, :, k_slice.column : k_slice.column + mid_a.shape[0]], mid_a.t())
+    assert not a_t[0, :, : slots.linears[key].slices[0].rank].any(), "no trace of the wide adapter's q"

@@ -90,7 +90,8 @@ class LoraSlots:
     def weights(self, slots: tuple[int, ...]) -> dict[LinearKey, SegmentWeights]:
         """Every stacked linear's weights of these slots, in this order: views when they are the
         first slots in order (a step of the adapters slotted first), else copies. The last
-        selection is kept until a slot is filled, as consecutive steps usually run the same adapters."""
+        selection is kept until a slot is filled or freed, as consecutive steps usually run the
+        same adapters."""
         if self._chosen is not None and self._chosen[0] == slots:
             return self._chosen[1]
         if slots == tuple(range(len(slots))):
@@ -147,6 +148,7 @@ class LoraSlots:
         slot = self._slots.pop(key, None)
         if slot is not None:
             self._free.append(slot)
+            self._chosen = None  # may hold a copy of the freed slot's weights
 
     def _resize(self, capacity: int) -> None:
         """Room for `capacity` slots, the old ones copied in."""
