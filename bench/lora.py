@@ -7,10 +7,12 @@ jobs at once (distinct 16-token prompts, greedy, --new-tokens tokens each, no st
 them to the last token: the base model alone, then the jobs spread round-robin over 1, 4 and
 16 adapters (one step mixes all of them: the grouped LoRA product per adapter). The runs
 alternate, --repeats times, in one process; each point is the median tokens/s, reported with
-its ratio to the base model's. Memory per adapter is LoraAdapter.num_bytes (the stacked A and
-placed B the engine keeps), next to the base model's weight bytes.
+its ratio to the base model's, and the median tokens per CPU second of the process (steadier
+than the wall clock on a machine shared with other jobs) with its ratio. Memory per adapter is
+LoraAdapter.num_bytes (the stacked A and placed B the engine keeps), next to the base model's
+weight bytes.
 
-Writes bench/results/lora.{json,png} and prints a markdown table.
+Writes bench/results/lora.{json,png} (lora_<preset>.* for another --preset) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -78,21 +80,22 @@ def make_adapters(base: Path, rank: int, count: int) -> list[Path]:
     return paths
 
 
-def timed_run(generator: Generator, adapters: int, new_tokens: int) -> float:
-    """Tokens/s of JOBS jobs enqueued at once, spread round-robin over `adapters` adapters (0: base)."""
+def timed_run(generator: Generator, adapters: int, new_tokens: int) -> tuple[float, float]:
+    """Tokens/s and tokens per CPU second of JOBS jobs enqueued at once, spread round-robin over
+    `adapters` adapters (0: base)."""
     for i in range(JOBS):
         prompt = [5 + (7 * i + 3 * j) % 250 for j in range(PROMPT_TOKENS)]
         generator.enqueue(Job(prompt, new_tokens, stop_conditions=[], identifier=i,
                               adapter=None if adapters == 0 else f"adapter{i % adapters}"))
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     generated = 0
     while generator.num_remaining_jobs():
         for result in generator.iterate():
             if result.eos:
                 generated += len(result.completion_ids or ())
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     assert generated == JOBS * new_tokens, "every job generates its tokens"
-    return generated / elapsed
+    return generated / elapsed, generated / cpu
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,14 +113,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configurations = (0, *ADAPTER_COUNTS)
     timed_run(generator, max(ADAPTER_COUNTS), 2)  # warm up every adapter's first product
     samples: dict[int, list[float]] = {count: [] for count in configurations}
+    cpu_samples: dict[int, list[float]] = {count: [] for count in configurations}
     for repeat in range(repeats):
         for count in configurations:
-            samples[count].append(timed_run(generator, count, new_tokens))
-            progress(f"repeat {repeat}: {count} adapter(s): {samples[count][-1]:.0f} tokens/s")
+            wall, cpu = timed_run(generator, count, new_tokens)
+            samples[count].append(wall)
+            cpu_samples[count].append(cpu)
+            progress(f"repeat {repeat}: {count} adapter(s): {wall:.0f} tokens/s, {cpu:.0f} per CPU second")
     base = statistics.median(samples[0])
+    cpu_base = statistics.median(cpu_samples[0])
     points = [{"adapters": count, "tokens_per_s": round(statistics.median(samples[count]), 1),
                "samples": [round(value, 1) for value in samples[count]],
-               "ratio_to_base": round(statistics.median(samples[count]) / base, 3)} for count in configurations]
+               "ratio_to_base": round(statistics.median(samples[count]) / base, 3),
+               "tokens_per_cpu_s": round(statistics.median(cpu_samples[count]), 1),
+               "cpu_samples": [round(value, 1) for value in cpu_samples[count]],
+               "cpu_ratio_to_base": round(statistics.median(cpu_samples[count]) / cpu_base, 3)}
+              for count in configurations]
     return {
         "method": __doc__,
         "machine": machine,
@@ -152,9 +163,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| adapters over 64 jobs | tokens/s | ratio to base |", "|---:|---:|---:|"]
+    lines = ["| adapters over 64 jobs | tokens/s | ratio to base | tokens per CPU s | CPU ratio to base |",
+             "|---:|---:|---:|---:|---:|"]
     for p in results["points"]:
-        lines.append(f"| {p['adapters'] or 'base'} | {p['tokens_per_s']:.0f} | {p['ratio_to_base']:.2f}x |")
+        lines.append(f"| {p['adapters'] or 'base'} | {p['tokens_per_s']:.0f} | {p['ratio_to_base']:.2f}x "
+                     f"| {p['tokens_per_cpu_s']:.0f} | {p['cpu_ratio_to_base']:.2f}x |")
     mib = results["adapter_bytes"] / 2**20
     base_mib = results["base_weight_bytes"] / 2**20
     lines.append(f"\nmemory per adapter (rank {results['rank']}, 7 projections): {mib:.2f} MiB; "
@@ -166,7 +179,8 @@ def table(results: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     results = run(args)
-    write_results(results, args.out, "lora", args.quick, plot, table)
+    name = "lora" if args.preset == "tiny" else f"lora_{args.preset}"
+    write_results(results, args.out, name, args.quick, plot, table)
 
 
 if __name__ == "__main__":

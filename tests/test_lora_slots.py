@@ -6,6 +6,7 @@ and a slot is freed when the registry offloads its adapter or the adapter is gar
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from engine import Generator, Job
-from engine.lora import LoraAdapter, LoraSlots, load_adapter
+from engine.lora import LoraAdapter, LoraBatch, LoraSlots, load_adapter
 from engine.weights import load_model
+from kernels.lora import lora_add_reference
 from tests.engine_runs import run
 from tests.lora_adapters import save_peft_adapter
 
@@ -38,12 +40,28 @@ def loaded(base: Path, adapters: dict[str, Path]) -> dict[str, LoraAdapter]:
 
 
 def assert_slot_holds(slots: LoraSlots, slot: int, adapter: LoraAdapter) -> None:
-    for key in slots.a:
-        a, b = adapter.weights.get(key, (torch.zeros(0, slots.a[key].shape[1]), torch.zeros(slots.b[key].shape[2], 0)))
-        rank = a.shape[0]
-        assert torch.equal(slots.a[key][slot, :, :rank], a.t()) and torch.equal(slots.b[key][slot, :rank], b.t()), key
-        assert not slots.a[key][slot, :, rank:].any() and not slots.b[key][slot, rank:].any(), key
-    assert set(adapter.weights) <= set(slots.a)
+    """Each slice's columns of A^T and its B^T hold the adapter's A rows and its B block of that
+    slice (no zero block of the placed B), zeros beyond its rank and where it targets nothing."""
+    for key, linear in slots.linears.items():
+        a, b = adapter.weights.get(key, (None, None))
+        mine = {target.index: target for target in adapter.slices.get(key, ())}
+        rows = dict(zip(mine, itertools.accumulate((t.rank for t in mine.values()), initial=0), strict=False))
+        for index, part in linear.slices.items():
+            got_a = linear.a[slot, :, part.column : part.column + part.rank]
+            target = mine.get(index)
+            if target is None:
+                assert not got_a.any() and not part.b[slot].any(), (key, index)
+                continue
+            assert a is not None and b is not None
+            row = rows[index]
+            assert part.start == target.start and part.b.shape[2] == target.width, (key, index)
+            assert torch.equal(got_a[:, : target.rank], a[row : row + target.rank].t()), (key, index)
+            block = b[target.start : target.start + target.width, row : row + target.rank]
+            assert torch.equal(part.b[slot, : target.rank], block.t()), (key, index)
+            assert not got_a[:, target.rank :].any() and not part.b[slot, target.rank :].any(), (key, index)
+        assert linear.a.shape[2] == sum(part.rank for part in linear.slices.values()), key
+    assert set(adapter.weights) <= set(slots.linears)
+    assert all(set(slots.linears[key].slices) >= {t.index for t in targets} for key, targets in adapter.slices.items())
 
 
 def test_slots_hold_each_adapter_exactly_across_widening_and_reuse(
@@ -90,3 +108,57 @@ def test_an_offloaded_adapter_gives_up_its_slot(base_and_adapters: tuple[Path, d
     made.adapters.max_loras = 2
     made.adapters.register("mid", paths["mid"])
     assert made.adapters.evictions == 1 and len(slots) == 1
+
+
+@pytest.mark.parametrize(("rows", "qkv_slices"), [
+    ([("narrow", 3), (None, 2), ("mid", 1), ("narrow", 2), ("mid", 3)], {0, 1}),
+    ([("mid", 5)], {1}),
+], ids=["mixed", "one-adapter-every-row"])
+def test_batched_product_over_slices_equals_each_adapters_own(base_and_adapters: tuple[Path, dict[str, Path]],
+                                                              rows: list[tuple[str | None, int]],
+                                                              qkv_slices: set[int]) -> None:
+    """Every linear's delta over the stacked slots, expanded per output slice, equals each adapter's
+    product with its placed B: where the slotted adapters leave a slice untargeted (v of qkv: q from
+    "narrow", k from "mid"), padded groups, and one adapter running every row (no gather, no scatter)."""
+    adapters = loaded(*base_and_adapters)
+    slots = LoraSlots()
+    chosen = [(adapters[name] if name else None, count) for name, count in rows]
+    lora = LoraBatch.build(chosen, torch.device("cpu"), slots)
+    assert lora is not None and lora.segments is not None
+    assert (lora.segments.gather is None) == (len(rows) == 1)
+    assert set(slots.linears[(0, "qkv_proj")].slices) == qkv_slices, "v is no slotted adapter's target"
+    total = sum(count for _, count in rows)
+    rng = torch.Generator().manual_seed(3)
+    for key, linear in slots.linears.items():
+        x = torch.randn(total, linear.a.shape[1], generator=rng)
+        width = next(a.weights[key][1].shape[0] for a in adapters.values() if key in a.weights)
+        base_out = torch.randn(total, width, generator=rng)
+        got = base_out.clone()
+        lora.add(got, x, *key)
+        want = base_out.clone()
+        offset = 0
+        for adapter, count in chosen:
+            if adapter is not None and key in adapter.weights:
+                a, b = adapter.weights[key]
+                lora_add_reference(want, x, a, b, torch.arange(offset, offset + count))
+            offset += count
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kept_selection_of_slots_never_outlives_a_refilled_slot(
+        base_and_adapters: tuple[Path, dict[str, Path]]) -> None:
+    """The stacked weights of a step's slots are kept for the next step; slots out of order are
+    copies, so freeing and refilling one of them must give the next step the new adapter's."""
+    adapters = loaded(*base_and_adapters)
+    slots = LoraSlots()
+    assert (slots.slot(adapters["narrow"]), slots.slot(adapters["wide"])) == (0, 1)
+    key = (0, "qkv_proj")
+    first = slots.weights((1, 0))
+    assert slots.weights((1, 0)) is first, "kept while the slots stay the same"
+    slots.release(adapters["wide"])
+    assert slots.slot(adapters["mid"]) == 1
+    a_t = slots.weights((1, 0))[key][0]
+    mid_a, _ = adapters["mid"].weights[key]
+    k_slice = slots.linears[key].slices[1]
+    assert torch.equal(a_t[0, :, k_slice.column : k_slice.column + mid_a.shape[0]], mid_a.t())
+    assert not a_t[0, :, : slots.linears[key].slices[0].rank].any(), "no trace of the wide adapter's q"

@@ -10,6 +10,18 @@ LinearKey = tuple[int, str]
 """(layer index, the engine's fused linear: qkv_proj, o_proj, gate_up_proj or down_proj)."""
 
 
+@dataclass(frozen=True)
+class LoraSlice:
+    """One targeted module of a fused linear: which output slice it is (its index among the
+    linear's slices, its first output column and width) and its rank. The stacked slots expand
+    per slice (engine/lora/slots.py), so they skip the zero blocks of the placed B."""
+
+    index: int
+    start: int
+    width: int
+    rank: int
+
+
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
     """weights[(layer, linear)] = (A [R, in], B [out, R]): the adapter's A matrices of that fused
@@ -20,13 +32,15 @@ class LoraAdapter:
     digest names the adapter's content (its config and tensor file): it roots the prefix-page hash
     chain of the adapter's jobs, so their pages are shared with each other and never with another
     adapter's or the base model's, whatever name the adapter is registered under.
-    scalings[module] is the PEFT scaling of each targeted module, by PEFT's module name."""
+    scalings[module] is the PEFT scaling of each targeted module, by PEFT's module name.
+    slices[(layer, linear)]: the targeted modules of that linear in the order of A's rank axis."""
 
     name: str
     digest: bytes
     rank: int
     weights: dict[LinearKey, tuple[torch.Tensor, torch.Tensor]]
     scalings: dict[str, float]
+    slices: dict[LinearKey, tuple[LoraSlice, ...]]
 
     @property
     def device(self) -> torch.device:

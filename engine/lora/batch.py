@@ -2,11 +2,12 @@
 targeted linear adds to its output (the segmented gather-matmul of Punica / S-LoRA: gather a
 group's tokens, x @ A^T then @ B^T with that adapter's matrices, scatter-add the delta).
 
-On the torch reference path a step of several adapters runs every group at once: the groups'
-tokens in one padded layout against the adapters' slots of the stacked weights (engine/lora/slots.py),
-a few batched ops per linear instead of four per adapter. One adapter, a layout whose padding would
-more than double the rows (a long prompt next to single-token rows), and the Triton path (its
-kernels gather a group's rows themselves) take the product per group.
+On the torch reference path a step runs every group at once: the groups' tokens in one padded
+layout against the adapters' slots of the stacked weights (engine/lora/slots.py), a few batched ops
+per linear instead of four per adapter (and, when one adapter runs every row, no gather or scatter
+at all). A layout whose padding would more than double the rows (a long prompt next to
+single-token rows) and the Triton path (its kernels gather a group's rows themselves) take the
+product per group.
 
 Built by the batch builder only when some row of the step runs an adapter; a step of base-model
 jobs carries no LoraBatch and its linears do nothing more."""
@@ -20,8 +21,8 @@ import torch
 
 import kernels
 from engine.lora.adapter import LinearKey, LoraAdapter
-from engine.lora.slots import LoraSlots
-from kernels.lora import lora_add_segments_reference
+from engine.lora.slots import LoraSlots, SegmentWeights
+from kernels.lora import Scratch, lora_add_segments_reference
 
 #: The padded layout is used while its rows are at most this many times the adapter tokens.
 MAX_PADDING = 2
@@ -30,52 +31,52 @@ MAX_PADDING = 2
 @dataclass(frozen=True)
 class Segments:
     """The step's adapter tokens in lora_add_segments_reference's layout: weights[(layer, linear)]
-    the groups' stacked (A^T, B^T), gather / valid / tokens as that function takes them."""
+    the groups' stacked weights, gather / valid / tokens as that function takes them (all None
+    when one adapter runs every row of the step: no gather, no scatter)."""
 
-    weights: dict[LinearKey, tuple[torch.Tensor, torch.Tensor]]
-    gather: torch.Tensor
+    weights: dict[LinearKey, SegmentWeights]
+    gather: torch.Tensor | None
     valid: torch.Tensor | None
-    tokens: torch.Tensor
+    tokens: torch.Tensor | None
+    scratch: Scratch
 
     @classmethod
-    def build(cls, indices: list[list[int]], slots: list[int], stacked: LoraSlots,
+    def build(cls, indices: list[list[int]], slots: list[int], stacked: LoraSlots, rows: int,
               device: torch.device) -> Segments | None:
-        """indices: each group's token indices; slots: each group's slot. None when padding every
-        group to the largest would more than MAX_PADDING times the rows."""
-        rows = max(len(group) for group in indices)
+        """indices: each group's token indices; slots: each group's slot; rows: the step's tokens.
+        None when padding every group to the largest would more than MAX_PADDING times the rows."""
+        longest = max(len(group) for group in indices)
         total = sum(len(group) for group in indices)
-        if rows * len(indices) > MAX_PADDING * total:
+        if longest * len(indices) > MAX_PADDING * total:
             return None
+        weights = stacked.weights(tuple(slots))
+        if len(indices) == 1 and indices[0] == list(range(rows)):
+            return cls(weights, None, None, None, stacked.scratch)
         gather: list[int] = []
         valid: list[int] = []
         for position, group in enumerate(indices):
-            valid.extend(range(position * rows, position * rows + len(group)))
-            gather.extend(group + group[:1] * (rows - len(group)))
-        if slots == list(range(len(slots))):
-            weights = {key: (a.narrow(0, 0, len(slots)), stacked.b[key].narrow(0, 0, len(slots)))
-                       for key, a in stacked.a.items()}
-        else:
-            chosen = torch.tensor(slots, dtype=torch.long).to(device)
-            weights = {key: (a.index_select(0, chosen), stacked.b[key].index_select(0, chosen))
-                       for key, a in stacked.a.items()}
+            valid.extend(range(position * longest, position * longest + len(group)))
+            gather.extend(group + group[:1] * (longest - len(group)))
 
         def put(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
         return cls(weights, put(gather), None if len(valid) == len(gather) else put(valid),
-                   put([token for group in indices for token in group]))
+                   put([token for group in indices for token in group]), stacked.scratch)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, key: LinearKey) -> None:
-        pair = self.weights.get(key)
-        if pair is not None:
-            lora_add_segments_reference(out, x, pair[0], pair[1], self.gather, self.valid, self.tokens)
+        stacked = self.weights.get(key)
+        if stacked is not None:
+            lora_add_segments_reference(out, x, stacked[0], stacked[1], self.gather, self.valid, self.tokens,
+                                        self.scratch)
 
 
 @dataclass(frozen=True)
 class LoraBatch:
     """groups: (adapter, the flattened batch's token indices that run it), one per adapter in
-    the step; tokens of base-model rows are in no group. segments: the same groups in the padded
-    layout of the batched product, or None where the product runs per group."""
+    the step, where the product runs per group (empty where segments run it); tokens of
+    base-model rows are in no group. segments: the step's groups in the padded layout of the
+    batched product, or None."""
 
     groups: tuple[tuple[LoraAdapter, torch.Tensor], ...]
     segments: Segments | None = None
@@ -93,13 +94,14 @@ class LoraBatch:
             offset += count
         if not indices:
             return None
-        groups = tuple((adapter, torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True))
-                       for adapter, tokens in indices.items())
-        segments = None
-        if slots is not None and len(groups) > 1 and not kernels.triton_enabled(groups[0][1]):
+        if slots is not None and not kernels.triton_enabled(torch.empty(0, device=device)):
             by_slot = sorted((slots.slot(adapter), tokens) for adapter, tokens in indices.items())
-            segments = Segments.build([tokens for _, tokens in by_slot], [slot for slot, _ in by_slot], slots, device)
-        return cls(groups, segments)
+            segments = Segments.build([tokens for _, tokens in by_slot], [slot for slot, _ in by_slot], slots,
+                                      offset, device)
+            if segments is not None:
+                return cls((), segments)
+        return cls(tuple((adapter, torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True))
+                         for adapter, tokens in indices.items()))
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, linear: str) -> torch.Tensor:
         """out (the base linear's output for x, any weight format) plus each group's LoRA delta, in place."""

@@ -14,7 +14,7 @@ from safetensors.torch import load as load_safetensors
 
 from engine.config import ModelConfig
 from engine.errors import AdapterLoadError
-from engine.lora.adapter import LinearKey, LoraAdapter
+from engine.lora.adapter import LinearKey, LoraAdapter, LoraSlice
 from engine.lora.adapter_config import LoraSettings, read_adapter_config
 from engine.lora.targets import MLP_TARGETS, TARGETS, FusedShape, fused_shapes
 
@@ -89,7 +89,9 @@ def _fuse(name: str, digest: bytes, pairs: list[_Pair], settings: LoraSettings, 
         scalings[module] = settings.scaling(module)
         grouped.setdefault((layer, linear), []).append((index, a, b * scalings[module]))
     weights = {key: _stack(parts, shapes[key[1]], dtype, device) for key, parts in grouped.items()}
-    return LoraAdapter(name, digest, max(settings.rank_of(p[0]) for p in pairs), weights, scalings)
+    slices = {key: tuple(LoraSlice(index, shapes[key[1]].offset(index), shapes[key[1]].slices[index], a.shape[0])
+                         for index, a, _ in parts) for key, parts in grouped.items()}
+    return LoraAdapter(name, digest, max(settings.rank_of(p[0]) for p in pairs), weights, scalings, slices)
 
 
 def _check_shape(module: str, tensor: torch.Tensor, expected: tuple[int, int], half: str, where: Path) -> None:
