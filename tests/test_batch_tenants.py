@@ -131,8 +131,10 @@ def test_a_tenants_files_and_batches_are_404_to_another_tenant_and_absent_from_i
     assert a_file not in {f.id for f in admin.files.list()}
 
 
-def test_a_tenants_listing_pages_over_its_own_files_and_batches_only(gateway: str, store: KeyStore):
-    a = sdk(gateway, store.create(tenant_name("pages-a"), "a", KeyLimits())[1])
+def test_a_tenants_listing_pages_over_its_own_files_and_batches_only(gateway: str, store: KeyStore,
+                                                                     redis_client: redis.Redis):
+    tenant = tenant_name("pages-a")
+    a = sdk(gateway, store.create(tenant, "a", KeyLimits())[1])
     b = sdk(gateway, store.create(tenant_name("pages-b"), "b", KeyLimits())[1])
     mine, batches = [], []
     for i in range(3):  # another tenant's files and batches in between each of A's
@@ -149,6 +151,10 @@ def test_a_tenants_listing_pages_over_its_own_files_and_batches_only(gateway: st
     assert [batch.id for batch in rest_batches.data] == [batches[0]] and not rest_batches.has_more
     for batch_id in batches:
         assert wait_for(a, batch_id, ENDED).status == "completed"
+    # A tenant's listings go when their newest entry would: a file's retention (30 days), a
+    # batch's window (24 h) and retention.
+    assert 30 * 86400 - 60 < redis_client.ttl(f"genq:files:tenant:{tenant}") <= 30 * 86400
+    assert 31 * 86400 - 60 < redis_client.ttl(f"genq:batches:tenant:{tenant}") <= 31 * 86400
 
 
 def test_a_tenants_batch_lines_run_as_it_outside_its_key_limits_and_count_exactly_in_its_usage(

@@ -135,8 +135,10 @@ class BatchRecords:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key(batch.id), mapping={"fixed": json.dumps(fixed), "status": "validating",
                                                     "total": total, "sent": 0, "completed": 0, "failed": 0, **owned})
-            for listing in {self._listing, owner.listing(self._listing)}:
-                pipe.zadd(listing, {batch.id: time.time()})
+            pipe.zadd(self._listing, {batch.id: time.time()})
+            if owner.tenant is not None:  # lives as long as its newest batch's window and retention
+                pipe.zadd(owner.listing(self._listing), {batch.id: time.time()})
+                pipe.expire(owner.listing(self._listing), window_s + self.retention_s)
             pipe.sadd(self.active_key, batch.id)
             await pipe.execute()
         return batch

@@ -1,7 +1,7 @@
 """Files of the Files API: their bytes in a directory (GENQ_GATEWAY_FILES_DIR), their metadata
 (OpenAI's File object and its owner, producer/batches/owners.py) in Redis, and nothing else there.
-Every file is listed in one sorted set, and a tenant's also in the tenant's own, so that a key's
-listing reads only its tenant's files. A file's metadata key expires at the
+Every file is listed in one sorted set, and a tenant's also in the tenant's own (which expires
+with its newest file), so that a key's listing reads only its tenant's files. A file's metadata key expires at the
 file's `expires_at`; a sorted set by expiry lets `sweep` delete the bytes of expired files, and a
 read of an expired file finds nothing. Bytes are written to a temporary name and renamed, so a
 crash never leaves half a file under a file's name. The per-line answers of a running batch live
@@ -79,8 +79,10 @@ class FileStore:
         stored = StoredFile(owner=owner.tenant, file=file)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self._meta_key(file.id), stored.model_dump_json(), exat=file.expires_at)
-            for listing in {self._listing, owner.listing(self._listing)}:
-                pipe.zadd(listing, {file.id: time.time()})  # finer than created_at: the listing's order
+            pipe.zadd(self._listing, {file.id: time.time()})  # finer than created_at: the listing's order
+            if owner.tenant is not None:  # a tenant's listing lives as long as its newest file
+                pipe.zadd(owner.listing(self._listing), {file.id: time.time()})
+                pipe.expireat(owner.listing(self._listing), file.expires_at)
             pipe.zadd(self._expiry, {file.id: file.expires_at})
             await pipe.execute()
         return file
@@ -131,19 +133,19 @@ class FileStore:
     async def delete(self, file_id: str, viewer: Owner) -> bool:
         """Delete the file if `viewer` sees it; whether it did."""
         stored = await self._stored(file_id, viewer)
-        if stored is None:
-            return False
-        await self._remove(file_id, Owner(stored.owner).listing(self._listing))
-        return True
+        return stored is not None and await self._remove(file_id, Owner(stored.owner).listing(self._listing))
 
-    async def _remove(self, file_id: str, *listings: str) -> None:
+    async def _remove(self, file_id: str, *listings: str) -> bool:
+        """Remove the file's metadata, listing entries and bytes; whether its metadata was there
+        (two deletes at once: one says so)."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._meta_key(file_id))
             for listing in {self._listing, *listings}:
                 pipe.zrem(listing, file_id)
             pipe.zrem(self._expiry, file_id)
-            await pipe.execute()
+            existed, *_ = await pipe.execute()
         await anyio.to_thread.run_sync(_unlink, self.path(file_id))
+        return bool(existed)
 
     async def sweep(self) -> int:
         """Delete the files whose retention has passed; how many."""
