@@ -1,9 +1,9 @@
 """Files of the Files API: their bytes in a directory (GENQ_GATEWAY_FILES_DIR), their metadata
 (OpenAI's File object and its owner, producer/batches/owners.py) in Redis, and nothing else there.
 Every file is listed in one sorted set, and a tenant's also in the tenant's own (which expires
-with its newest file), so that a key's listing reads only its tenant's files. A file's metadata key expires at the
-file's `expires_at`; a sorted set by expiry lets `sweep` delete the bytes of expired files, and a
-read of an expired file finds nothing. Bytes are written to a temporary name and renamed, so a
+with its newest file), so that a key's listing reads only its tenant's files. A file's metadata
+key expires at the file's `expires_at`; a sorted set by expiry lets `sweep` delete the bytes of
+expired files, and a read of an expired file finds nothing. Bytes are written to a temporary name and renamed, so a
 crash never leaves half a file under a file's name. The per-line answers of a running batch live
 in the same directory (`parts/<batch id>/<line>.json`) until the batch's output files are written."""
 
