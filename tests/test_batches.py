@@ -210,22 +210,22 @@ def test_a_completed_batch_cannot_be_cancelled(oai: openai.OpenAI):
     assert oai.batches.retrieve(batch.id).status == "completed"
 
 
-@pytest.mark.parametrize(("create", "param", "expected"), [
-    ({"endpoint": "/v1/completions"}, "input_file_id", "line 1: url /v1/chat/completions differs from the batch's "
-                                                       "endpoint /v1/completions"),
-    ({"input_file_id": "file-doesnotexist"}, "input_file_id", "no batch input file 'file-doesnotexist'"),
-    ({"completion_window": "1h"}, "completion_window", "completion_window"),
-    ({"metadata": {"genq_webhook_url": "ftp://example.com/x"}}, "metadata.genq_webhook_url",
+@pytest.mark.parametrize(("create", "status", "param", "expected"), [
+    ({"endpoint": "/v1/completions"}, 400, "input_file_id", "line 1: url /v1/chat/completions differs from the "
+                                                            "batch's endpoint /v1/completions"),
+    ({"input_file_id": "file-doesnotexist"}, 404, "input_file_id", "no file 'file-doesnotexist'"),
+    ({"completion_window": "1h"}, 400, "completion_window", "completion_window"),
+    ({"metadata": {"genq_webhook_url": "ftp://example.com/x"}}, 400, "metadata.genq_webhook_url",
      "metadata.genq_webhook_url: must be an http(s) URL"),
-    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "metadata"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata", "metadata"),
 ], ids=["endpoint-mismatch", "unknown-file", "window", "webhook-url", "metadata-keys"])
 def test_an_invalid_batch_is_refused_naming_the_field(oai: openai.OpenAI, gateway: str, create: dict[str, Any],
-                                                      param: str, expected: str):
+                                                      status: int, param: str, expected: str):
     input_file = oai.files.create(file=("ok.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
     body = {"input_file_id": input_file.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
             **create}
     response = httpx.post(f"{gateway}/v1/batches", json=body, headers=bearer(), timeout=30)
-    assert response.status_code == 400, response.text
+    assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and expected in error["message"]
 

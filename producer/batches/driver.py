@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 import anyio
 
 from producer.batches.input_file import BatchLine, InputLimits, InputRefused, parse_lines
+from producer.batches.owners import ADMIN, Owner
 from producer.batches.records import TERMINAL, Batch, BatchError, BatchRecords, BatchStatus, LineOutcome
 from producer.batches.storage import FileStore
 
@@ -51,13 +52,15 @@ class LineAnswer:
 
 
 class LineRunner(Protocol):
-    async def send(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> list[tuple[BatchLine, LineAnswer]]:
-        """Queue each line's task under its identifier; the lines that could not be queued, answered."""
+    async def send(self, batch: Batch, owner: Owner, lines: list[tuple[BatchLine, str]]
+                   ) -> list[tuple[BatchLine, LineAnswer]]:
+        """Queue each line's task under its identifier, run as `owner`'s; the lines that could not
+        be queued, answered."""
 
     async def answer(self, batch: Batch, line: BatchLine, identifier: str) -> LineAnswer | None:
         """The line's answer once its task has ended, else None."""
 
-    async def watch(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> None:
+    async def watch(self, batch: Batch, owner: Owner, lines: list[tuple[BatchLine, str]]) -> None:
         """Watch lines another process queued (a batch taken over), as if this one had sent them."""
 
     async def cancel(self, identifier: str) -> None: ...
@@ -96,11 +99,12 @@ class BatchDriver:
         await self.store.sweep()
 
     async def step(self, batch_id: str) -> None:
-        batch = await self.records.get(batch_id)
-        if batch is None or batch.status in TERMINAL:
+        found = await self.records.owned(batch_id)
+        if found is None or found[0].status in TERMINAL:
             self._lines.pop(batch_id, None)
             await self.records.retire(batch_id)
             return
+        batch, owner = found
         taken_over = batch_id not in self._lines
         lines = await self._input(batch)
         if lines is None:
@@ -109,7 +113,7 @@ class BatchDriver:
             await self.records.transition(batch_id, "in_progress", "validating")
         sent, done = await self.records.progress(batch_id)
         if taken_over:
-            await self.runner.watch(batch, [(lines[index], line_identifier(batch_id, index))
+            await self.runner.watch(batch, owner, [(lines[index], line_identifier(batch_id, index))
                                             for index in range(sent) if index not in done])
         for index in range(sent):
             if index not in done:
@@ -122,23 +126,25 @@ class BatchDriver:
             for index in outstanding:
                 await self.runner.cancel(line_identifier(batch_id, index))
             if not outstanding:
-                await self._finish(batch, lines, sent, "cancelled" if batch.status == "cancelling" else "expired")
+                await self._finish(batch, owner, lines, sent,
+                                   "cancelled" if batch.status == "cancelling" else "expired")
             return
         page = lines[sent:sent + max(0, self.max_in_flight - (sent - len(done)))]
         if page:
-            refused = await self.runner.send(batch, [(line, line_identifier(batch_id, line.index)) for line in page])
+            refused = await self.runner.send(batch, owner,
+                                             [(line, line_identifier(batch_id, line.index)) for line in page])
             for line, answer in refused:
                 await self._record(batch_id, line, answer, done)
             await self.records.set_sent(batch_id, sent + len(page))
         elif len(done) == len(lines):
-            await self._finish(batch, lines, sent, "completed")
+            await self._finish(batch, owner, lines, sent, "completed")
 
     async def _input(self, batch: Batch) -> list[BatchLine] | None:
         """The batch's lines (parsed once per driver); None, having failed the batch, when its
         input file is gone or no longer valid."""
         if (lines := self._lines.get(batch.id)) is not None:
             return lines
-        data = await self.store.read(batch.input_file_id)
+        data = await self.store.read(batch.input_file_id, ADMIN)  # its owner's, checked when the batch was made
         problem = f"input file {batch.input_file_id} no longer exists"
         if data is not None:
             try:
@@ -166,7 +172,8 @@ class BatchDriver:
         await self.records.mark_done(batch_id, line.index, outcome)
         done[line.index] = outcome
 
-    async def _finish(self, batch: Batch, lines: list[BatchLine], sent: int, status: BatchStatus) -> None:
+    async def _finish(self, batch: Batch, owner: Owner, lines: list[BatchLine], sent: int, status: BatchStatus
+                      ) -> None:
         if status == "completed" and batch.status != "finalizing" and not await self.records.transition(
                 batch.id, "finalizing", "in_progress"):
             return  # cancelled meanwhile: the next step finishes it as cancelled
@@ -176,9 +183,9 @@ class BatchDriver:
             for line in lines[sent:]:
                 await self._record(batch.id, line, expired, {})
         parts = await self.store.read_parts(batch.id, len(lines))
-        output_id = await self._write(batch, "output", [line for kind, line in parts if kind == "output"])
-        error_id = await self._write(batch, "error", [line for kind, line in parts if kind == "error"])
-        ended = await self.records.get(batch.id)
+        output_id = await self._write(batch, owner, "output", [line for kind, line in parts if kind == "output"])
+        error_id = await self._write(batch, owner, "error", [line for kind, line in parts if kind == "error"])
+        ended = await self.records.get(batch.id, ADMIN)
         if ended is None:
             return
         now = int(time.time())
@@ -190,11 +197,12 @@ class BatchDriver:
             await self.store.drop_parts(batch.id)
             self._lines.pop(batch.id, None)
 
-    async def _write(self, batch: Batch, kind: str, lines: list[dict[str, Any]]) -> str | None:
-        """The batch's output or error file (none for no lines), under an id derived from the batch's."""
+    async def _write(self, batch: Batch, owner: Owner, kind: str, lines: list[dict[str, Any]]) -> str | None:
+        """The batch's output or error file (none for no lines), under an id derived from the batch's,
+        owned by the batch's owner."""
         if not lines:
             return None
         content = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
         file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
-        await self.store.create(content, f"{batch.id}_{kind}.jsonl", "batch_output", file_id)
+        await self.store.create(content, f"{batch.id}_{kind}.jsonl", "batch_output", owner, file_id)
         return file_id

@@ -1,8 +1,10 @@
 """Batch records in Redis: OpenAI's Batch object and a batch's progress, kept so that any gateway
 can take over driving it. Per batch, a hash `{prefix}:batch:{id}` (the fixed fields as one JSON
-value, the status and its timestamps, the counts, `sent`: how many lines have been queued) and a
+value, the status and its timestamps, the counts, `sent`: how many lines have been queued, the
+owner's tenant and max_priority when an API key made it, producer/batches/owners.py) and a
 hash `{prefix}:batch:{id}:done` (line index -> "completed" or "failed"), whose HSETNX counts each
-line once however often its answer is collected. Status changes are compare-and-set scripts, so a
+line once however often its answer is collected. Every batch is listed in one sorted set, and
+a tenant's also in the tenant's own. Status changes are compare-and-set scripts, so a
 cancel never overwrites a batch that has just completed."""
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from typing import Any, Literal, cast
 
 import redis.asyncio
 from pydantic import BaseModel, Field
+from redis.typing import EncodableT, FieldT
+
+from producer.batches.owners import Owner
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
@@ -117,22 +122,34 @@ class BatchRecords:
         return f"{self.prefix}:batches:active"
 
     async def create(self, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
-                     metadata: dict[str, str] | None, total: int) -> Batch:
+                     metadata: dict[str, str] | None, total: int, owner: Owner) -> Batch:
         now = int(time.time())
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", endpoint=endpoint, input_file_id=input_file_id,
                       completion_window=completion_window, status="validating", created_at=now,
                       expires_at=now + window_s, metadata=metadata, request_counts=RequestCounts(total=total))
         fixed = batch.model_dump(include={"id", "endpoint", "input_file_id", "completion_window", "created_at",
                                           "expires_at", "metadata"})
+        owned: dict[FieldT, EncodableT] = {
+            name: value for name, value in (("owner", owner.tenant), ("max_priority", owner.max_priority))
+            if value is not None}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key(batch.id), mapping={"fixed": json.dumps(fixed), "status": "validating",
-                                                    "total": total, "sent": 0, "completed": 0, "failed": 0})
+                                                    "total": total, "sent": 0, "completed": 0, "failed": 0, **owned})
             pipe.zadd(self._listing, {batch.id: time.time()})
+            if owner.tenant is not None:  # lives as long as its newest batch's window and retention
+                pipe.zadd(owner.listing(self._listing), {batch.id: time.time()})
+                pipe.expire(owner.listing(self._listing), window_s + self.retention_s)
             pipe.sadd(self.active_key, batch.id)
             await pipe.execute()
         return batch
 
-    async def get(self, batch_id: str) -> Batch | None:
+    async def get(self, batch_id: str, viewer: Owner) -> Batch | None:
+        """The batch, None if it does not exist (or has expired) or is not `viewer`'s to see."""
+        found = await self.owned(batch_id)
+        return None if found is None or not viewer.sees(found[1].tenant) else found[0]
+
+    async def owned(self, batch_id: str) -> tuple[Batch, Owner] | None:
+        """The batch and its owner, whoever that is."""
         fields = cast(dict[str, str], await self.redis.hgetall(self._key(batch_id)))
         if "fixed" not in fields:
             return None
@@ -147,21 +164,25 @@ class BatchRecords:
             values[name] = fields.get(name)
         if "errors" in fields:
             values["errors"] = BatchErrors.model_validate_json(fields["errors"])
-        return Batch.model_validate(values)
+        max_priority = fields.get("max_priority")
+        return Batch.model_validate(values), Owner(fields.get("owner"), None if max_priority is None
+                                                   else int(max_priority))
 
-    async def page(self, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        """Batches newest first, those after batch `after`, at most `limit`; and whether more follow."""
+    async def page(self, after: str | None, limit: int, viewer: Owner) -> tuple[list[Batch], bool]:
+        """The batches `viewer` sees, newest first, those after batch `after`, at most `limit`; and
+        whether more follow."""
+        listing = viewer.listing(self._listing)
         start = 0
         if after is not None:
-            rank = cast(int | None, await self.redis.zrevrank(self._listing, after))
+            rank = cast(int | None, await self.redis.zrevrank(listing, after))
             start = 0 if rank is None else rank + 1
-        ids = cast(list[str], await self.redis.zrevrange(self._listing, start, start + limit))
+        ids = cast(list[str], await self.redis.zrevrange(listing, start, start + limit))
         batches = []
         for batch_id in ids[:limit]:
-            if (batch := await self.get(batch_id)) is not None:
+            if (batch := await self.get(batch_id, viewer)) is not None:
                 batches.append(batch)
             else:  # its record has expired with its files
-                await self.redis.zrem(self._listing, batch_id)
+                await self.redis.zrem(listing, batch_id)
         return batches, len(ids) > limit
 
     async def transition(self, batch_id: str, status: BatchStatus, *allowed: BatchStatus) -> bool:

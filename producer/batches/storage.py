@@ -1,7 +1,9 @@
 """Files of the Files API: their bytes in a directory (GENQ_GATEWAY_FILES_DIR), their metadata
-(OpenAI's File object) in Redis, and nothing else there. A file's metadata key expires at the
-file's `expires_at`; a sorted set by expiry lets `sweep` delete the bytes of expired files, and a
-read of an expired file finds nothing. Bytes are written to a temporary name and renamed, so a
+(OpenAI's File object and its owner, producer/batches/owners.py) in Redis, and nothing else there.
+Every file is listed in one sorted set, and a tenant's also in the tenant's own (which expires
+with its newest file), so that a key's listing reads only its tenant's files. A file's metadata
+key expires at the file's `expires_at`; a sorted set by expiry lets `sweep` delete the bytes of
+expired files, and a read of an expired file finds nothing. Bytes are written to a temporary name and renamed, so a
 crash never leaves half a file under a file's name. The per-line answers of a running batch live
 in the same directory (`parts/<batch id>/<line>.json`) until the batch's output files are written."""
 
@@ -19,6 +21,8 @@ import anyio
 import redis.asyncio
 from pydantic import BaseModel
 
+from producer.batches.owners import Owner
+
 FILE_ID_PATTERN = r"^file-[A-Za-z0-9_-]{1,80}$"
 FilePurpose = Literal["batch", "batch_output"]
 
@@ -35,6 +39,13 @@ class FileObject(BaseModel):
     purpose: FilePurpose
     status: Literal["processed"] = "processed"
     status_details: str | None = None
+
+
+class StoredFile(BaseModel):
+    """A file's metadata as Redis keeps it: the File object and the tenant that owns it (None: the admin)."""
+
+    owner: str | None
+    file: FileObject
 
 
 class FileStore:
@@ -58,59 +69,81 @@ class FileStore:
     def path(self, file_id: str) -> Path:
         return self.directory / f"{file_id}.jsonl"
 
-    async def create(self, content: bytes, filename: str, purpose: FilePurpose, file_id: str | None = None
-                     ) -> FileObject:
-        """Store `content` as a new file (or again under `file_id`, the same bytes: idempotent)."""
+    async def create(self, content: bytes, filename: str, purpose: FilePurpose, owner: Owner,
+                     file_id: str | None = None) -> FileObject:
+        """Store `content` as a new file of `owner` (or again under `file_id`, the same bytes: idempotent)."""
         now = int(time.time())
         file = FileObject(id=file_id or f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=now,
                           expires_at=now + self.retention_s, filename=filename, purpose=purpose)
         await anyio.to_thread.run_sync(_write_atomically, self.path(file.id), content)
+        stored = StoredFile(owner=owner.tenant, file=file)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._meta_key(file.id), file.model_dump_json(), exat=file.expires_at)
+            pipe.set(self._meta_key(file.id), stored.model_dump_json(), exat=file.expires_at)
             pipe.zadd(self._listing, {file.id: time.time()})  # finer than created_at: the listing's order
+            if owner.tenant is not None:  # a tenant's listing lives as long as its newest file
+                pipe.zadd(owner.listing(self._listing), {file.id: time.time()})
+                pipe.expireat(owner.listing(self._listing), file.expires_at)
             pipe.zadd(self._expiry, {file.id: file.expires_at})
             await pipe.execute()
         return file
 
-    async def get(self, file_id: str) -> FileObject | None:
+    async def _stored(self, file_id: str, viewer: Owner) -> StoredFile | None:
+        """The file's metadata, None if it does not exist, has expired, or is not `viewer`'s to see."""
         raw = await self.redis.get(self._meta_key(file_id))
-        return None if raw is None else FileObject.model_validate_json(raw)
+        stored = None if raw is None else StoredFile.model_validate_json(raw)
+        return stored if stored is not None and viewer.sees(stored.owner) else None
 
-    async def read(self, file_id: str) -> bytes | None:
-        """The file's bytes, None if it does not exist (or has expired)."""
-        if await self.get(file_id) is None:
+    async def get(self, file_id: str, viewer: Owner) -> FileObject | None:
+        stored = await self._stored(file_id, viewer)
+        return None if stored is None else stored.file
+
+    async def read(self, file_id: str, viewer: Owner) -> bytes | None:
+        """The file's bytes, None if `get` finds no file."""
+        if await self.get(file_id, viewer) is None:
             return None
         try:
             return await anyio.to_thread.run_sync(self.path(file_id).read_bytes)
         except FileNotFoundError:
             return None
 
-    async def page(self, after: str | None, limit: int, purpose: str | None) -> tuple[list[FileObject], bool]:
-        """Files newest first, those after the file `after`, at most `limit`; and whether more follow."""
+    async def page(self, after: str | None, limit: int, purpose: str | None, viewer: Owner
+                   ) -> tuple[list[FileObject], bool]:
+        """The files `viewer` sees, newest first, those after the file `after`, at most `limit`; and
+        whether more follow."""
+        listing = viewer.listing(self._listing)
         start = 0
         if after is not None:
-            rank = cast(int | None, await self.redis.zrevrank(self._listing, after))
+            rank = cast(int | None, await self.redis.zrevrank(listing, after))
             start = 0 if rank is None else rank + 1
         files: list[FileObject] = []
         while len(files) <= limit:
-            ids = cast(list[str], await self.redis.zrevrange(self._listing, start, start + 2 * limit))
+            ids = cast(list[str], await self.redis.zrevrange(listing, start, start + 2 * limit))
             if not ids:
                 break
             start += len(ids)
-            for raw in await self.redis.mget([self._meta_key(i) for i in ids]):
-                if raw is None:
-                    continue  # expired: sweep removes it from the listing
-                file = FileObject.model_validate_json(raw)
+            for file_id, raw in zip(ids, await self.redis.mget([self._meta_key(i) for i in ids]), strict=True):
+                if raw is None:  # expired: dropped from the listing (its bytes are sweep's)
+                    start -= await self.redis.zrem(listing, file_id)
+                    continue
+                file = StoredFile.model_validate_json(raw).file
                 if purpose is None or file.purpose == purpose:
                     files.append(file)
         return files[:limit], len(files) > limit
 
-    async def delete(self, file_id: str) -> bool:
+    async def delete(self, file_id: str, viewer: Owner) -> bool:
+        """Delete the file if `viewer` sees it; whether it did."""
+        stored = await self._stored(file_id, viewer)
+        return stored is not None and await self._remove(file_id, Owner(stored.owner).listing(self._listing))
+
+    async def _remove(self, file_id: str, *listings: str) -> bool:
+        """Remove the file's metadata, listing entries and bytes; whether its metadata was there
+        (two deletes at once: one says so)."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._meta_key(file_id))
-            pipe.zrem(self._listing, file_id)
+            for listing in {self._listing, *listings}:
+                pipe.zrem(listing, file_id)
             pipe.zrem(self._expiry, file_id)
-            existed, _, _ = await pipe.execute()
+            existed, *_ = await pipe.execute()
         await anyio.to_thread.run_sync(_unlink, self.path(file_id))
         return bool(existed)
 
@@ -118,7 +151,7 @@ class FileStore:
         """Delete the files whose retention has passed; how many."""
         expired = cast(list[str], await self.redis.zrangebyscore(self._expiry, 0, int(time.time())))
         for file_id in expired:
-            await self.delete(file_id)
+            await self._remove(file_id)
         return len(expired)
 
     # --- a running batch's per-line answers ------------------------------------------------

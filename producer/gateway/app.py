@@ -40,7 +40,6 @@ from producer.client import (
 from producer.gateway import sse
 from producer.gateway.access import TaskRecords
 from producer.gateway.auth import (
-    caller_of,
     forget_signature,
     require_gateway_token,
     require_task_access,
@@ -218,14 +217,6 @@ async def _gateway_token(request: Request) -> None:
     await require_gateway_token(gateway.settings, request, gateway.client.redis)
 
 
-async def _admin_token(request: Request) -> None:
-    """The Files and Batch APIs: the gateway (admin) token only, until files and batches are kept
-    per tenant (an API key would otherwise see every tenant's)."""
-    await _gateway_token(request)
-    if caller_of(request).key is not None:
-        raise ApiError(403, "permission_denied", "the Files and Batch APIs take the gateway token, not an API key")
-
-
 async def _task_access(request: Request, task_id: Annotated[str, Path(pattern=IDENTIFIER_PATTERN)]) -> str:
     gateway: Gateway = request.app.state.gateway
     await require_task_access(gateway.settings, request, task_id, gateway.records)
@@ -333,8 +324,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         """OpenAI's chat completions; the worker renders the messages with the model's chat template."""
         return await _chat(gateway, request, body)
 
-    app.include_router(files_router(batch_api, _admin_token, ERROR_RESPONSES))
-    app.include_router(batches_router(batch_api, _admin_token, ERROR_RESPONSES,
+    app.include_router(files_router(batch_api, _gateway_token, ERROR_RESPONSES))
+    app.include_router(batches_router(batch_api, _gateway_token, ERROR_RESPONSES,
                                       partial(_callback_url, allow_private=settings.callback_allow_private_hosts)))
     app.include_router(tokens_router(gateway.router, partial(parse_request, gateway.constraints, status=400),
                                      settings),

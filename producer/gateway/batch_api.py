@@ -1,6 +1,7 @@
 """What the Files and Batches routers share: the file store, the batch records and this
-process's batch driver, built from the gateway's settings and Redis. Without
-GENQ_GATEWAY_FILES_DIR both APIs answer 503 and no driver runs."""
+process's batch driver, built from the gateway's settings and Redis; and who the caller is to
+them (`owner_of`: an API key's tenant, or the admin). Without GENQ_GATEWAY_FILES_DIR both APIs
+answer 503 and no driver runs."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING
 
+from fastapi import Request
+
 from producer.batches.driver import BatchDriver
 from producer.batches.input_file import InputLimits
+from producer.batches.owners import ADMIN, Owner
 from producer.batches.records import BatchRecords
 from producer.batches.storage import FileStore
 from producer.client import CONNECT_TIMEOUT_S
+from producer.gateway.auth import caller_of
 from producer.gateway.batch_runner import ChatTranslation, GatewayLineRunner
 from producer.gateway.errors import ApiError
 from producer.watchdog import Watchdog
@@ -25,10 +30,18 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024
 """What an upload's body may hold besides the file: the multipart boundaries, headers and `purpose`."""
 
 
+def owner_of(request: Request) -> Owner:
+    """The caller as the Files and Batch APIs see it: an API key's tenant and max_priority (its
+    own files and batches only), or the admin (every one)."""
+    key = caller_of(request).key
+    return ADMIN if key is None else Owner(key.tenant, key.limits.max_priority)
+
+
 class BatchApi:
     def __init__(self, gateway: Gateway, chat: ChatTranslation) -> None:
         settings = gateway.settings
         self.settings = settings
+        self.tenancy = gateway.tenancy
         self.limits = InputLimits(settings.file_max_bytes, settings.batch_max_lines, settings.batch_max_line_bytes)
         self.records = BatchRecords(gateway.client.redis, settings.key_prefix, settings.file_retention_s)
         self._store = None if settings.files_dir is None else FileStore(

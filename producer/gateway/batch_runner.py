@@ -1,7 +1,8 @@
 """The gateway's side of driving a batch (producer/batches/driver.py's LineRunner): a line's body
 translated by the endpoint's own translation (app.chat_generation, completions'
 completion_generations) into the genq request it runs as, at the batch priority with the
-completion window as its deadline; a task's outcome read back as the endpoint would have
+completion window as its deadline, and as the batch owner's tenant (tenancy.as_tenant: the tenant
+set, the priority clamped to the key's max_priority); a task's outcome read back as the endpoint would have
 answered it; the end of a batch posted to the webhook its metadata names (`genq_webhook_url`),
 through the callback worker (producer/callbacks.py)."""
 
@@ -19,12 +20,14 @@ from pydantic import BaseModel, ValidationError
 
 from producer.batches.driver import LineAnswer
 from producer.batches.input_file import BatchLine
+from producer.batches.owners import Owner
 from producer.batches.records import Batch
 from producer.callbacks import DELIVER_CALLBACK_TASK
 from producer.gateway.completions import completion_generations
 from producer.gateway.errors import ApiError, invalid_request
 from producer.gateway.model_router import Target
 from producer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, chat_response, completion_response
+from producer.gateway.tenancy import as_tenant
 from producer.protocol import GenerationRequest, GenerationResult
 from producer.watchdog import Watchdog
 
@@ -47,22 +50,23 @@ class GatewayLineRunner:
         self.chat = chat
         self.watchdog = watchdog
 
-    async def send(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> list[tuple[BatchLine, LineAnswer]]:
-        prepared, refused = await self._prepare(batch, lines)
+    async def send(self, batch: Batch, owner: Owner, lines: list[tuple[BatchLine, str]]
+                   ) -> list[tuple[BatchLine, LineAnswer]]:
+        prepared, refused = await self._prepare(batch, owner, lines)
         for queue, generations in prepared.items():
             for handle in await self.gateway.client.submit_many(generations, queue=queue):
                 await handle.close()
         self._track(prepared)
         return refused
 
-    async def watch(self, batch: Batch, lines: list[tuple[BatchLine, str]]) -> None:
-        prepared, _ = await self._prepare(batch, lines)
+    async def watch(self, batch: Batch, owner: Owner, lines: list[tuple[BatchLine, str]]) -> None:
+        prepared, _ = await self._prepare(batch, owner, lines)
         self._track(prepared)
 
-    async def _prepare(self, batch: Batch, lines: list[tuple[BatchLine, str]]
+    async def _prepare(self, batch: Batch, owner: Owner, lines: list[tuple[BatchLine, str]]
                        ) -> tuple[dict[str, list[GenerationRequest]], list[tuple[BatchLine, LineAnswer]]]:
-        """Each line's request by queue, at the batch priority and within the window; and the
-        lines refused, answered as their endpoint would answer them."""
+        """Each line's request by queue, at the batch priority, within the window and as the
+        owner's tenant; and the lines refused, answered as their endpoint would answer them."""
         refused: list[tuple[BatchLine, LineAnswer]] = []
         by_queue: dict[str, list[GenerationRequest]] = defaultdict(list)
         for line, identifier in lines:
@@ -74,7 +78,10 @@ class GatewayLineRunner:
             update: dict[str, Any] = {"priority": self.gateway.settings.batch_priority}
             if generation.timeout_s is None:
                 update["deadline"] = min(generation.deadline or batch.expires_at, batch.expires_at)
-            by_queue[target.route.queue].append(generation.model_copy(update=update))
+            generation = generation.model_copy(update=update)
+            if owner.tenant is not None:
+                generation = as_tenant(generation, owner.tenant, owner.max_priority)
+            by_queue[target.route.queue].append(generation)
         return by_queue, refused
 
     def _track(self, prepared: dict[str, list[GenerationRequest]]) -> None:

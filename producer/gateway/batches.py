@@ -2,20 +2,25 @@
 (every line's url), records it (producer/batches/records.py) and leaves the rest to the batch
 drivers (producer/batches/driver.py): each line runs as an ordinary `genq.generate` task at the
 batch priority, with the completion window as its deadline. A batch whose metadata names
-`genq_webhook_url` has its final Batch object posted there, signed, when it ends."""
+`genq_webhook_url` has its final Batch object posted there, signed, when it ends. A batch
+belongs to the tenant of the API key that made it (the admin's to no tenant) and its lines run as
+that tenant's; a key sees and cancels only its tenant's batches and makes them only from its
+tenant's files; another's is 404, as an unknown id is."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer.batches.input_file import BatchLine, InputRefused, parse_lines
+from producer.batches.owners import Owner
 from producer.batches.records import BATCH_ID_PATTERN, Batch
-from producer.gateway.batch_api import BatchApi
+from producer.gateway.batch_api import BatchApi, owner_of
 from producer.gateway.batch_runner import WEBHOOK_METADATA_KEY
 from producer.gateway.errors import ApiError
 
@@ -57,9 +62,9 @@ def batches_router(api: BatchApi, gateway_token: Any, error_responses: Mapping[i
     router = APIRouter(dependencies=[Depends(gateway_token)], responses=dict(error_responses))
 
     @router.post("/v1/batches", response_model=Batch)
-    async def create(body: CreateBatch) -> Batch:
+    async def create(body: CreateBatch, request: Request) -> Batch:
         """Create a batch of the input file's requests; it runs as soon as a driver steps it."""
-        store = api.store
+        store, owner = api.store, owner_of(request)
         metadata = dict(body.metadata) if body.metadata is not None else None
         if metadata is not None and WEBHOOK_METADATA_KEY in metadata:
             if api.settings.webhook_secret is None:
@@ -74,49 +79,54 @@ def batches_router(api: BatchApi, gateway_token: Any, error_responses: Mapping[i
                                param=f"metadata.{WEBHOOK_METADATA_KEY}") from None
             assert url is not None
             metadata[WEBHOOK_METADATA_KEY] = url
-        file = await store.get(body.input_file_id)
-        data = await store.read(body.input_file_id) if file is not None and file.purpose == "batch" else None
-        if data is None:
-            raise ApiError(400, "invalid_request", f"input_file_id: no batch input file {body.input_file_id!r}",
+        file = await store.get(body.input_file_id, owner)
+        if file is None or (data := await store.read(body.input_file_id, owner)) is None:
+            raise ApiError(404, "file_not_found", f"input_file_id: no file {body.input_file_id!r} (never uploaded, "
+                                                  "deleted, or past its expires_at)", param="input_file_id")
+        if file.purpose != "batch":
+            raise ApiError(400, "invalid_request", f"input_file_id: {body.input_file_id!r} is a batch's "
+                                                   f"{file.purpose} file, not a batch input file",
                            param="input_file_id")
         try:
             lines = await anyio.to_thread.run_sync(parse_lines, data, api.limits)
         except InputRefused as refused:
             raise ApiError(400, "invalid_file", f"input_file_id: {refused}", param="input_file_id") from None
         _check_endpoint(lines, body.endpoint)
+        await api.tenancy.admit_request(request, f"batch-create-{uuid.uuid4().hex}")
         return await api.records.create(body.endpoint, body.input_file_id, body.completion_window,
-                                        COMPLETION_WINDOWS[body.completion_window], metadata, len(lines))
+                                        COMPLETION_WINDOWS[body.completion_window], metadata, len(lines), owner)
 
     @router.get("/v1/batches/{batch_id}", response_model=Batch)
-    async def retrieve(batch_id: BatchId) -> Batch:
-        return await _batch(api, batch_id)
+    async def retrieve(batch_id: BatchId, request: Request) -> Batch:
+        return await _batch(api, batch_id, owner_of(request))
 
     @router.get("/v1/batches", response_model=BatchList)
-    async def list_batches(after: str | None = None,
+    async def list_batches(request: Request, after: str | None = None,
                            limit: Annotated[int, Query(ge=1, le=MAX_BATCH_PAGE)] = 20) -> BatchList:
-        """Batches newest first; `after` a batch id pages on."""
+        """The caller's batches newest first; `after` a batch id pages on."""
         api.ensure_enabled()
-        batches, more = await api.records.page(after, limit)
+        batches, more = await api.records.page(after, limit, owner_of(request))
         return BatchList(data=batches, first_id=batches[0].id if batches else None,
                          last_id=batches[-1].id if batches else None, has_more=more)
 
     @router.post("/v1/batches/{batch_id}/cancel", response_model=Batch)
-    async def cancel(batch_id: BatchId) -> Batch:
+    async def cancel(batch_id: BatchId, request: Request) -> Batch:
         """Stop queueing the batch's lines and cancel those queued or running; the batch is
         `cancelling` until they have ended, then `cancelled`, with the answers it has."""
-        batch = await _batch(api, batch_id)
+        owner = owner_of(request)
+        batch = await _batch(api, batch_id, owner)
         if batch.status not in ("cancelling", "cancelled") and not await api.records.transition(
                 batch_id, "cancelling", "validating", "in_progress"):
             raise ApiError(409, "batch_not_cancellable", f"batch {batch_id} is {batch.status}: only a validating or "
                                                          "in_progress batch can be cancelled")
-        return await _batch(api, batch_id)
+        return await _batch(api, batch_id, owner)
 
     return router
 
 
-async def _batch(api: BatchApi, batch_id: str) -> Batch:
+async def _batch(api: BatchApi, batch_id: str, viewer: Owner) -> Batch:
     api.ensure_enabled()
-    batch = await api.records.get(batch_id)
+    batch = await api.records.get(batch_id, viewer)
     if batch is None:
         raise ApiError(404, "batch_not_found", f"no batch {batch_id!r} (never created, or past its retention)",
                        param="batch_id")

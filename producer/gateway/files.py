@@ -1,7 +1,9 @@
 """/v1/files: OpenAI's Files API for batch input and output files (producer/batches/storage.py
 keeps them). An upload is `multipart/form-data` with `file` and `purpose` ("batch"); its lines are
 checked as a batch input file at once (producer/batches/input_file.py), a refusal naming the line
-and the limit. The multipart body is read with the standard library's email parser."""
+and the limit. A file belongs to the tenant of the API key that uploaded it (the admin's to no
+tenant): a key sees, reads and deletes only its tenant's; another's is 404 `file_not_found`, as an
+unknown id is. The multipart body is read with the standard library's email parser."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pydantic import BaseModel
 
 from producer.batches.input_file import InputRefused, parse_lines
 from producer.batches.storage import FILE_ID_PATTERN, FileObject
-from producer.gateway.batch_api import BatchApi
+from producer.gateway.batch_api import BatchApi, owner_of
 from producer.gateway.errors import ApiError
 
 FileId = Annotated[str, Path(pattern=FILE_ID_PATTERN)]
@@ -59,34 +61,35 @@ def files_router(api: BatchApi, gateway_token: Any, error_responses: Mapping[int
             await anyio.to_thread.run_sync(parse_lines, content, api.limits)
         except InputRefused as refused:
             raise ApiError(400, "invalid_file", f"file: {refused}", param="file") from None
-        return await store.create(content, (filename or "upload.jsonl")[:256], "batch")
+        return await store.create(content, (filename or "upload.jsonl")[:256], "batch", owner_of(request))
 
     @router.get("/v1/files", response_model=FileList)
-    async def list_files(after: str | None = None, limit: Annotated[int, Query(ge=1, le=MAX_FILE_PAGE)] = MAX_FILE_PAGE,
+    async def list_files(request: Request, after: str | None = None,
+                         limit: Annotated[int, Query(ge=1, le=MAX_FILE_PAGE)] = MAX_FILE_PAGE,
                          purpose: str | None = None) -> FileList:
-        """Files newest first; `after` a file id pages on."""
-        files, more = await api.store.page(after, limit, purpose)
+        """The caller's files newest first; `after` a file id pages on."""
+        files, more = await api.store.page(after, limit, purpose, owner_of(request))
         return FileList(data=files, first_id=files[0].id if files else None,
                         last_id=files[-1].id if files else None, has_more=more)
 
     @router.get("/v1/files/{file_id}", response_model=FileObject)
-    async def retrieve(file_id: FileId) -> FileObject:
-        file = await api.store.get(file_id)
+    async def retrieve(file_id: FileId, request: Request) -> FileObject:
+        file = await api.store.get(file_id, owner_of(request))
         if file is None:
             raise _no_file(file_id)
         return file
 
     @router.get("/v1/files/{file_id}/content", response_class=Response,
                 responses={200: {"content": {"application/jsonl": {}}}})
-    async def content(file_id: FileId) -> Response:
-        data = await api.store.read(file_id)
+    async def content(file_id: FileId, request: Request) -> Response:
+        data = await api.store.read(file_id, owner_of(request))
         if data is None:
             raise _no_file(file_id)
         return Response(data, media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}", response_model=FileDeleted)
-    async def delete(file_id: FileId) -> FileDeleted:
-        if not await api.store.delete(file_id):
+    async def delete(file_id: FileId, request: Request) -> FileDeleted:
+        if not await api.store.delete(file_id, owner_of(request)):
             raise _no_file(file_id)
         return FileDeleted(id=file_id, deleted=True)
 

@@ -16,7 +16,6 @@ from producer.gateway.errors import ApiError
 from producer.gateway.settings import GatewaySettings
 from producer.protocol import GenerationRequest
 from producer.tenants.admission import Admission, Verdict
-from producer.tenants.keys import ApiKey
 from producer.tenants.settle import SETTLE, Refund, Settlement
 
 _HEADERS_STATE = "ratelimit_headers"
@@ -36,7 +35,7 @@ class Tenancy:
         key = caller_of(request).key
         if key is None:
             return generations
-        generations = [_as_tenant(key, generation) for generation in generations]
+        generations = [as_tenant(generation, key.tenant, key.limits.max_priority) for generation in generations]
         tasks = []
         for generation, prompt in zip(generations, prompt_tokens, strict=True):
             assert generation.identifier is not None
@@ -46,6 +45,18 @@ class Tenancy:
             raise _refusal(verdict, sum(tokens for _, tokens in tasks), self.retry_after_s)
         request.state.ratelimit_headers = verdict.headers()
         return generations
+
+    async def admit_request(self, request: Request, identifier: str) -> None:
+        """A request that queues no task itself (a batch's creation: its lines are throttled by
+        GENQ_GATEWAY_BATCH_MAX_IN_FLIGHT instead): one request of the key's rpm, no tokens, no
+        slot; ApiError 429 past the limit."""
+        key = caller_of(request).key
+        if key is None:
+            return
+        verdict = await self.admission.admit(key, [], identifier)
+        if verdict.refused:
+            raise _refusal(verdict, 0, self.retry_after_s)
+        request.state.ratelimit_headers = verdict.headers()
 
     async def release(self, request: Request, identifiers: list[str]) -> None:
         """Give back what admission reserved for tasks that were never enqueued."""
@@ -57,11 +68,13 @@ class Tenancy:
             await self._settle(keys=settlement.keys(self.prefix, 0), args=settlement.args(0, 1, 1))
 
 
-def _as_tenant(key: ApiKey, generation: GenerationRequest) -> GenerationRequest:
+def as_tenant(generation: GenerationRequest, tenant: str, max_priority: int | None) -> GenerationRequest:
+    """The request as a key of `tenant` runs it: its tenant, and a priority better (lower) than
+    the key's `max_priority`, or none, clamped to it (a key's requests and its batches' lines)."""
     priority = generation.priority
-    if key.limits.max_priority is not None and (priority is None or priority < key.limits.max_priority):
-        priority = key.limits.max_priority
-    return generation.model_copy(update={"tenant": key.tenant, "priority": priority})
+    if max_priority is not None and (priority is None or priority < max_priority):
+        priority = max_priority
+    return generation.model_copy(update={"tenant": tenant, "priority": priority})
 
 
 _MESSAGES = {

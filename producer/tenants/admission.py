@@ -140,12 +140,15 @@ class Admission:
         self.owner_ttl_s = owner_ttl_s
         self._admit = client.register_script(ADMIT)
 
-    async def admit(self, key: ApiKey, tasks: list[tuple[str, int]]) -> Verdict:
-        """Admit one request of `tasks` (identifier, tokens to reserve), or say which limit refuses it."""
+    async def admit(self, key: ApiKey, tasks: list[tuple[str, int]], request: str | None = None) -> Verdict:
+        """Admit one request of `tasks` (identifier, tokens to reserve), or say which limit refuses it.
+        `request` names the request in the requests window (default: its first task's id); a
+        request that queues no task itself (a batch's creation) names itself and takes one request
+        of the rpm limit, no tokens and no slot."""
         p, limits = self.prefix, key.limits
         keys = [requests_window(p, key.id), token_bucket(p, key.id), running_tasks(p, key.id)]
         args: list[str | int] = [limits.rpm or 0, limits.tpm or 0, limits.concurrent or 0, self.slot_ttl_s * 1000,
-                                 self.owner_ttl_s, key.tenant, key_usage(p, key.id), tasks[0][0]]
+                                 self.owner_ttl_s, key.tenant, key_usage(p, key.id), request or tasks[0][0]]
         for identifier, tokens in tasks:
             keys += [reservation(p, identifier), task_tenant(p, identifier)]
             args += [identifier, tokens]
