@@ -71,6 +71,8 @@ class ChaosPlan:
     batch_redis_crashes: int = 1
     """The faults spread over the batch's lines answered (the batch runs below the tasks' priority,
     so mostly after them): gateway SIGKILLs (each restarted), worker SIGKILLs, Redis kill -9s."""
+    batch_line_tokens: int = 16
+    """Longer than a task's, so that a line is often mid-generation when a worker is killed."""
     batch_lease_s: float = 3.0
     batch_resend_after_s: float = 30.0
 
@@ -199,8 +201,8 @@ class Chaos:
         self.figures = ChaosFigures(tasks=plan.tasks)
         self.ids = [f"chaos-{i}" for i in range(plan.tasks)]
         self.hostile_ids: list[str] = []
-        self.batch = ChaosBatch(self.redis.url, QUEUE, workdir, plan.batch_lines, MAX_NEW_TOKENS, plan.batch_lease_s,
-                                plan.batch_resend_after_s) if plan.batch_lines else None
+        self.batch = ChaosBatch(self.redis.url, QUEUE, workdir, plan.batch_lines, plan.batch_line_tokens,
+                                plan.batch_lease_s, plan.batch_resend_after_s) if plan.batch_lines else None
         self._started = 0
 
     def start_worker(self) -> WorkerProcess:
@@ -349,6 +351,7 @@ class Chaos:
         lines = self.batch.task_ids() if self.batch is not None else {}
         requests += self.batch.reference_requests() if self.batch is not None else []
         references = reference_outputs(self.model, requests)
+        wanted = {request["identifier"]: request["max_new_tokens"] for request in requests}
         expected = {identifier: output.completion_ids or [] for identifier, output in references.items()}
         ids = self.ids + self.hostile_ids + list(lines)
         redelivered_lines = 0
@@ -361,7 +364,8 @@ class Chaos:
                 self.figures.lost.append(identifier)
                 continue
             if identifier in expected and (
-                    result["status"] != "SUCCESS" or result["result"]["usage"]["completion_tokens"] != MAX_NEW_TOKENS
+                    result["status"] != "SUCCESS"
+                    or result["result"]["usage"]["completion_tokens"] != wanted[identifier]
                     or result["result"]["token_ids"] != expected[identifier]):
                 self.figures.wrong_results.append(identifier)
                 log.warning("chaos: %s ended %s: %s", identifier, result["status"], result["result"])
@@ -403,7 +407,10 @@ def reference_outputs(model: Path, requests: list[dict[str, Any]]) -> dict[str, 
     jobs = [build_job(GenerationRequest.parse_payload(r), generator.tokenizer, r["identifier"],
                          generator.model.config.vocab_size)
             for r in requests]
-    return run_jobs(generator, jobs)
+    finals: dict[str, EngineOutput] = {}
+    for start in range(0, len(jobs), generator.max_pending):  # more than the engine queues at once
+        finals.update(run_jobs(generator, jobs[start:start + generator.max_pending]))
+    return finals
 
 
 def _ends_in_one_final(events: list[StreamEvent]) -> bool:
