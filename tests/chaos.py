@@ -69,8 +69,9 @@ class ChaosPlan:
     gateway_kills: int = 2
     batch_worker_kills: int = 1
     batch_redis_crashes: int = 1
-    """The faults spread over the batch's lines answered (the batch runs below the tasks' priority,
-    so mostly after them): gateway SIGKILLs (each restarted), worker SIGKILLs, Redis kill -9s."""
+    """The faults spread over the batch's lines answered (its lines run at the batch priority, below
+    the tasks, so at a pace of their own): gateway SIGKILLs (each restarted), worker SIGKILLs, Redis
+    kill -9s."""
     batch_line_tokens: int = 16
     """Longer than a task's, so that a line is often mid-generation when a worker is killed."""
     batch_lease_s: float = 3.0

@@ -6,8 +6,9 @@ its output file holding every custom_id exactly once, each answer under its own 
 with the text the engine gives the line's prompt greedily in the test's own process. Whether each
 line's task ended once (one final event) is checked with the tasks' (tests/chaos.py).
 
-Batch lines run at the batch priority, below the tasks, so they mostly run once the tasks have
-drained; the faults meant for the batch are therefore scheduled by lines answered, not tasks.
+Batch lines run at the batch priority, below the tasks, and at most GENQ_GATEWAY_BATCH_MAX_IN_FLIGHT
+at once, so at a pace of their own; the faults meant for the batch are therefore scheduled by
+lines answered, not by tasks.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class BatchFigures:
 
 class ChaosBatch:
     """The gateway in front of the chaos queue and the batch it drives. `tokens` is each line's
-    max_tokens (greedy, ignore_eos), as the tasks' max_new_tokens."""
+    max_tokens (greedy, ignore_eos: every line generates exactly that many)."""
 
     def __init__(self, redis_url: str, queue: str, workdir: Path, lines: int, tokens: int, lease_s: float,
                  resend_after_s: float) -> None:
