@@ -26,10 +26,11 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 # The full chaos run (1,000 tasks, worker SIGKILLs, Redis kill -9 and restart, poison
-# messages), three times: once as is, once with eight Redis faults of each kind, and once
-# with the hostile phase (5% hostile-but-valid requests: samplers at their limits, big
-# results, slow and over-limit grammars; tests/chaos.py HOSTILE); prints its figures.
-# `make test` runs a smaller one, with the hostile mix.
+# messages, and a 200-line OpenAI batch through a gateway SIGKILLed twice on the way:
+# tests/chaos_batch.py), three times: once as is, once with eight Redis faults of each
+# kind, and once with the hostile phase (5% hostile-but-valid requests: samplers at their
+# limits, big results, slow and over-limit grammars; tests/chaos.py HOSTILE); prints its
+# figures. `make test` runs a smaller one, with the hostile mix and without the batch.
 chaos: $(STAMP)
 	$(PY) -m pytest tests/test_chaos.py -m chaos -s
 

@@ -8,7 +8,10 @@ grammar over llguidance's limits, a regex cut by the compile budget) are
 mixed in: each must end once, as its kind must (HOSTILE: the sampler's and
 the big results succeed; a grammar past a limit fails with an error event
 naming the limit), and every well-formed task must still finish with the
-tokens the engine gives its prompt in this process.
+tokens the engine gives its prompt in this process. With `batch_lines`, an
+OpenAI batch runs through a real gateway during the same chaos, and the
+gateway too is SIGKILLed and restarted (tests/chaos_batch.py): the batch must
+complete with every line answered once, with its prompt's text.
 
 Used by tests/test_chaos.py (a small run in the default suite, the full one
 behind `make chaos`); `python -m tests.chaos` runs it by hand and prints the
@@ -30,9 +33,11 @@ import redis
 from celery import Celery, states
 
 from engine import Generator
+from engine.outputs import EngineOutput
 from producer import protocol
 from producer.protocol import TASK_NAME, GenerationRequest, StreamEvent, stream_key
 from producer.watchdog import Watchdog
+from tests.chaos_batch import BatchFigures, ChaosBatch
 from tests.engine_runs import run as run_jobs
 from tests.service import RawPublisher, plain_client, replay
 from worker.jobs import build_job
@@ -57,12 +62,27 @@ class ChaosPlan:
     """The workers' grammar compile budget: below the 2 s the full `(a{1000}){1000}` takes to
     start here (it then trips llguidance's initial_lexer_fuel), so that it is cut by the budget."""
     visibility_timeout_s: int = 30
-    timeout_s: float = 600.0
+    timeout_s: float = 900.0
     watchdog_after_s: float = 45.0
+    batch_lines: int = 200
+    """0 = no batch; else an OpenAI batch of this many completions, uploaded through a gateway at the start."""
+    gateway_kills: int = 2
+    batch_worker_kills: int = 1
+    batch_redis_crashes: int = 1
+    """The faults spread over the batch's lines answered (its lines run at the batch priority, below
+    the tasks, so at a pace of their own): gateway SIGKILLs (each restarted), worker SIGKILLs, Redis
+    kill -9s."""
+    batch_line_tokens: int = 16
+    """Longer than a task's, so that a line is often mid-generation when a worker is killed."""
+    batch_lease_s: float = 3.0
+    batch_resend_after_s: float = 30.0
 
 
 @dataclass
 class ChaosFigures:
+    """What a run counts. The lists of request ids name the tasks', the hostile requests' and the
+    batch lines' tasks alike; `batch` has the batch's own figures."""
+
     tasks: int = 0
     poison_messages: int = 0
     hostile_requests: int = 0
@@ -76,12 +96,19 @@ class ChaosFigures:
     worker_kills: int = 0
     redis_crashes: int = 0
     redis_restarts: int = 0
+    gateway_kills: int = 0
+    batch: BatchFigures | None = None
     unexpected_worker_exits: list[str] = field(default_factory=list)
+    """Worker nodes, and "gateway", that exited though not killed by the run."""
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        """The figures with each list of request ids (or worker nodes) as its length."""
-        return {name: len(value) if isinstance(value, list) else value for name, value in asdict(self).items()}
+        """The figures with each list of request ids (or worker nodes) as its length; the batch's
+        prefixed `batch_`."""
+        figures = asdict(self)
+        batch = figures.pop("batch") or {}
+        figures.update({f"batch_{name}": value for name, value in batch.items()})
+        return {name: len(value) if isinstance(value, list) else value for name, value in figures.items()}
 
 
 def _wide_schema(properties: int) -> dict[str, Any]:
@@ -175,6 +202,8 @@ class Chaos:
         self.figures = ChaosFigures(tasks=plan.tasks)
         self.ids = [f"chaos-{i}" for i in range(plan.tasks)]
         self.hostile_ids: list[str] = []
+        self.batch = ChaosBatch(self.redis.url, QUEUE, workdir, plan.batch_lines, plan.batch_line_tokens,
+                                plan.batch_lease_s, plan.batch_resend_after_s) if plan.batch_lines else None
         self._started = 0
 
     def start_worker(self) -> WorkerProcess:
@@ -193,6 +222,8 @@ class Chaos:
         try:
             self._run()
         finally:
+            if self.batch is not None:
+                self.batch.stop()
             for worker in self.workers:
                 worker.stop(30)
             self.redis.stop()
@@ -204,15 +235,23 @@ class Chaos:
         for _ in range(self.plan.workers):
             self.start_worker().wait_ready(client)
         watchdog = Watchdog(client, redis.Redis.from_url(self.redis.url), self.plan.watchdog_after_s)
+        if self.batch is not None:
+            self.batch.start()
         self._send(client, watchdog)
         schedule = self._schedule()
+        batch_schedule = self._batch_schedule()
         deadline = time.monotonic() + self.plan.timeout_s
         while time.monotonic() < deadline:
             done = self._finished()
             while schedule and done >= schedule[0][0]:
                 _, action = schedule.pop(0)
                 action()
-            if done == len(self.ids) + len(self.hostile_ids) and not schedule:
+            answered = self.batch.answered() if self.batch is not None else 0
+            while batch_schedule and answered >= batch_schedule[0][0]:
+                _, action = batch_schedule.pop(0)
+                action()
+            if done == len(self.ids) + len(self.hostile_ids) and not schedule and not batch_schedule and (
+                    self.batch is None or self.batch.ended()):
                 break
             self._check_workers()
             self._watch(watchdog)
@@ -253,13 +292,21 @@ class Chaos:
 
     def _schedule(self) -> list[tuple[int, Callable[[], None]]]:
         """Faults at fixed fractions of the tasks finished, spread over the run."""
-        actions: list[Callable[[], None]] = (
-            [self._kill_worker] * self.plan.worker_kills + [self._crash_redis] * self.plan.redis_crashes
-            + [self._restart_redis] * self.plan.redis_restarts
-        )
-        order = sorted(range(len(actions)), key=lambda i: (i % 2, i))
-        step = self.plan.tasks // (len(actions) + 1)
-        return [(step * (n + 1), actions[i]) for n, i in enumerate(order)]
+        return _spread([self._kill_worker] * self.plan.worker_kills + [self._crash_redis] * self.plan.redis_crashes
+                       + [self._restart_redis] * self.plan.redis_restarts, self.plan.tasks)
+
+    def _batch_schedule(self) -> list[tuple[int, Callable[[], None]]]:
+        """Faults at fixed fractions of the batch's lines answered."""
+        if self.batch is None:
+            return []
+        return _spread([self._kill_gateway] * self.plan.gateway_kills
+                       + [self._kill_worker] * self.plan.batch_worker_kills
+                       + [self._crash_redis] * self.plan.batch_redis_crashes, self.plan.batch_lines)
+
+    def _kill_gateway(self) -> None:
+        assert self.batch is not None
+        self.batch.kill_gateway()
+        self.figures.gateway_kills += 1
 
     def _kill_worker(self) -> None:
         victim = next(w for w in self.workers if w.process is not None and w.process.poll() is None)
@@ -285,6 +332,10 @@ class Chaos:
             if code is not None and not killed and worker.node not in self.figures.unexpected_worker_exits:
                 log.error("worker %s exited with %s:\n%s", worker.node, code, worker.log_tail())
                 self.figures.unexpected_worker_exits.append(worker.node)
+        if self.batch is not None and (tail := self.batch.check_gateway()) is not None \
+                and "gateway" not in self.figures.unexpected_worker_exits:
+            log.error("the gateway exited:\n%s", tail)
+            self.figures.unexpected_worker_exits.append("gateway")
 
     def _finished(self) -> int:
         """Tasks with a final result stored (STARTED is stored too: task_track_started)."""
@@ -298,8 +349,13 @@ class Chaos:
     def _score(self) -> None:
         client = redis.Redis.from_url(self.redis.url)
         requests = [well_formed(i, identifier) for i, identifier in enumerate(self.ids)]
-        expected = reference_completions(self.model, requests)
-        ids = self.ids + self.hostile_ids
+        lines = self.batch.task_ids() if self.batch is not None else {}
+        requests += self.batch.reference_requests() if self.batch is not None else []
+        references = reference_outputs(self.model, requests)
+        wanted = {request["identifier"]: request["max_new_tokens"] for request in requests}
+        expected = {identifier: output.completion_ids or [] for identifier, output in references.items()}
+        ids = self.ids + self.hostile_ids + list(lines)
+        redelivered_lines = 0
         metas = client.mget([f"celery-task-meta-{identifier}" for identifier in ids])
         for identifier, meta in zip(ids, metas, strict=True):
             events = replay(client, identifier) if client.exists(stream_key(identifier)) else []
@@ -309,7 +365,8 @@ class Chaos:
                 self.figures.lost.append(identifier)
                 continue
             if identifier in expected and (
-                    result["status"] != "SUCCESS" or result["result"]["usage"]["completion_tokens"] != MAX_NEW_TOKENS
+                    result["status"] != "SUCCESS"
+                    or result["result"]["usage"]["completion_tokens"] != wanted[identifier]
                     or result["result"]["token_ids"] != expected[identifier]):
                 self.figures.wrong_results.append(identifier)
                 log.warning("chaos: %s ended %s: %s", identifier, result["status"], result["result"])
@@ -326,20 +383,35 @@ class Chaos:
                     self.figures.wrong_hostile_outcomes.append(identifier)
                     log.warning("chaos: %s ended wrongly for its kind: %s", identifier, problem)
             self.figures.redelivered += any(e.attempt > 1 for e in events)
+            redelivered_lines += identifier in lines and any(e.attempt > 1 for e in events)
+        if self.batch is not None:
+            texts = {self.batch.custom_id(index): references[identifier].full_completion or ""
+                     for identifier, index in lines.items()}
+            twice = [self.batch.custom_id(lines[i]) for i in self.figures.duplicated_final_results if i in lines]
+            self.figures.batch = self.batch.score(texts, twice, redelivered_lines)
+
+
+def _spread(actions: list[Callable[[], None]], total: int) -> list[tuple[int, Callable[[], None]]]:
+    """Each action with the count of work done at which it runs: at fixed fractions of `total`, kinds alternating."""
+    order = sorted(range(len(actions)), key=lambda i: (i % 2, i))
+    step = total // (len(actions) + 1)
+    return [(step * (n + 1), actions[i]) for n, i in enumerate(order)]
 
 
 def well_formed(i: int, identifier: str) -> dict[str, Any]:
     return {"prompt": f"chaos {i}", "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, "identifier": identifier}
 
 
-def reference_completions(model: Path, requests: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """Each well-formed request's greedy tokens from the engine in this process, as the worker builds its job."""
+def reference_outputs(model: Path, requests: list[dict[str, Any]]) -> dict[str, EngineOutput]:
+    """Each well-formed request's greedy result from the engine in this process, as the worker builds its job."""
     generator = Generator.from_pretrained(model, cache_tokens=4096, page_size=16)
     jobs = [build_job(GenerationRequest.parse_payload(r), generator.tokenizer, r["identifier"],
                          generator.model.config.vocab_size)
             for r in requests]
-    finals = run_jobs(generator, jobs)
-    return {identifier: output.completion_ids or [] for identifier, output in finals.items()}
+    finals: dict[str, EngineOutput] = {}
+    for start in range(0, len(jobs), generator.max_pending):  # more than the engine queues at once
+        finals.update(run_jobs(generator, jobs[start:start + generator.max_pending]))
+    return finals
 
 
 def _ends_in_one_final(events: list[StreamEvent]) -> bool:
@@ -361,10 +433,14 @@ def main() -> int:
     parser.add_argument("--redis-restarts", type=int, default=ChaosPlan.redis_restarts, help="graceful restarts")
     parser.add_argument("--hostile-every", type=int, default=ChaosPlan.hostile_every,
                         help="one hostile-but-valid request after every N tasks (0 = none)")
+    parser.add_argument("--batch-lines", type=int, default=ChaosPlan.batch_lines,
+                        help="lines of the OpenAI batch run through a gateway (0 = none)")
+    parser.add_argument("--gateway-kills", type=int, default=ChaosPlan.gateway_kills)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     plan = ChaosPlan(tasks=args.tasks, worker_kills=args.worker_kills, redis_crashes=args.redis_crashes,
-                     redis_restarts=args.redis_restarts, hostile_every=args.hostile_every)
+                     redis_restarts=args.redis_restarts, hostile_every=args.hostile_every,
+                     batch_lines=args.batch_lines, gateway_kills=args.gateway_kills)
     figures = run_chaos(args.model, args.workdir, plan)
     print(json.dumps(figures.summary(), indent=2))
     return 0
