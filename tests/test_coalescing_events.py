@@ -91,3 +91,18 @@ def test_out_of_range_coalescing_is_refused_naming_the_field_and_the_limit(field
         GenerationRequest.parse_payload({"prompt": "x", "stream": {field: value}})
     message = str(refused.value)
     assert message.startswith(f"stream.{field}: ") and limit in message, message
+
+
+def test_tokens_whose_text_is_held_back_count_towards_the_token_trigger():
+    request = GenerationRequest.parse_payload({"prompt": "x", "stream": {"coalesce_tokens": 3}})
+    wire = RequestEvents("r1", 1, request, 1, token_text=str, coalescing=Coalescing().for_request(request.stream))
+
+    def step(text: str, token: int, stage: Stage = Stage.STREAMING) -> list[str]:
+        made = EngineOutput(job=JOB, serial=0, identifier="r1", stage=stage, eos=stage is Stage.EOS, text=text,
+                            token_ids=[token])
+        return [event.text for event in wire.progress(0, made)]
+
+    assert step("a", 1) == ["a"]
+    assert step("", 2) == [] and step("", 3) == [] and not wire.pending  # held back: nothing to send yet
+    assert step("bcd", 4) == ["bcd"]  # its 3 tokens since the last chunk
+    assert step("", 5) == [] and [e.text for e in wire.flush()] == []  # a held-back end sends no empty chunk

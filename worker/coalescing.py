@@ -75,5 +75,10 @@ class PendingChunk:
         self.tokens += tokens
 
     @property
+    def empty(self) -> bool:
+        """Nothing to send yet (only tokens whose text is held back): no chunk is made of it."""
+        return not (self.texts or self.token_ids or self.logprobs or self.prompt)
+
+    @property
     def text(self) -> str:
         return "".join(self.texts)

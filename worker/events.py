@@ -161,14 +161,20 @@ class RequestEvents:
         if output.prompt_logprobs is not None and index == 0 and not self.prompt_sent:
             self.prompt_sent = True
             prompt = (list(output.job.input_ids), self.wire_prompt_logprobs(output.prompt_logprobs))
-        if not (output.text or token_ids or logprobs or prompt):
-            return []
+        piece = bool(output.text or token_ids or logprobs or prompt)
         if not self.coalescing.enabled:
-            return [self.chunk(output.text, token_ids, logprobs, index if self.request.n > 1 else None, prompt)]
+            return [self.chunk(output.text, token_ids, logprobs, index if self.request.n > 1 else None, prompt)
+                    ] if piece else []
+        if not (piece or output.token_ids):
+            return []
+        # A step whose text is held back (a stop string's possible start, half a character) still
+        # counts its tokens towards coalesce_tokens.
         pending = self._pending.get(index)
         if pending is None:
             pending = self._pending[index] = PendingChunk()
         pending.add(output.text, token_ids, logprobs, len(output.token_ids), prompt)
+        if pending.empty:
+            return []
         now = time.monotonic() if now is None else now
         last_sent = self._last_sent.get(index)
         if last_sent is None or prompt is not None or self.coalescing.due(pending, last_sent, now):
@@ -178,20 +184,26 @@ class RequestEvents:
     @property
     def pending(self) -> bool:
         """Whether some sample has a chunk waiting to go out."""
-        return bool(self._pending)
+        return any(not pending.empty for pending in self._pending.values())
 
     def due(self, now: float) -> list[StreamEvent]:
         """The pending chunks whose interval has passed, for samples that produced nothing since
         (a preempted or waiting sample): progress() sends the others' as they grow."""
         return [self._send(index, now) for index, pending in list(self._pending.items())
-                if self.coalescing.due(pending, self._last_sent[index], now)]
+                if not pending.empty and self.coalescing.due(pending, self._last_sent[index], now)]
 
     def flush(self, index: int | None = None) -> list[StreamEvent]:
         """Sample `index`'s pending chunk, or every sample's: a sample or the request is ending, and
         its final event (or error) must follow all its text."""
         now = time.monotonic()
         indices = sorted(self._pending) if index is None else [index] if index in self._pending else []
-        return [self._send(i, now) for i in indices]
+        events = []
+        for i in indices:
+            if self._pending[i].empty:  # tokens whose text never came: nothing to send
+                del self._pending[i]
+            else:
+                events.append(self._send(i, now))
+        return events
 
     def _send(self, index: int, now: float) -> StreamEvent:
         pending = self._pending.pop(index)
