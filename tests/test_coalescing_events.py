@@ -59,9 +59,9 @@ def test_a_sample_that_produced_nothing_since_gets_its_pending_chunk_once_the_in
     wire = stream(Coalescing.of(20, 0))
     wire.progress(0, output(Stage.STREAMING, "a", [5]), now=1.0)
     assert wire.progress(0, output(Stage.STREAMING, "b", [6]), now=1.001) == []
-    assert wire.pending and wire.due(now=1.019) == []
+    assert wire.pending and wire.next_due == pytest.approx(1.020) and wire.due(now=1.019) == []
     (late,) = wire.due(now=1.021)
-    assert (late.text, late.token_ids) == ("b", [6]) and not wire.pending
+    assert (late.text, late.token_ids) == ("b", [6]) and not wire.pending and wire.next_due == float("inf")
 
 
 def test_the_token_trigger_sends_every_m_tokens_and_flush_sends_each_sample_s_rest():

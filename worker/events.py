@@ -12,6 +12,7 @@ them can leave the loop the GIL (worker/pacing.py)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,6 +121,8 @@ class RequestEvents:
     coalescing: Coalescing = field(default_factory=Coalescing)
     _pending: dict[int, PendingChunk] = field(default_factory=dict, init=False)
     _last_sent: dict[int, float] = field(default_factory=dict, init=False)
+    next_due: float = field(default=math.inf, init=False)
+    """When the earliest pending chunk's interval passes (time.monotonic()); inf when none waits."""
 
     def event(self, kind: EventType, **fields: Any) -> StreamEvent:
         event = StreamEvent(id=self.identifier, seq=self.seq, attempt=self.attempt, event=kind, **fields)
@@ -179,6 +182,8 @@ class RequestEvents:
         last_sent = self._last_sent.get(index)
         if last_sent is None or prompt is not None or self.coalescing.due(pending, last_sent, now):
             return [self._send(index, now)]
+        if self.coalescing.interval_s > 0:
+            self.next_due = min(self.next_due, last_sent + self.coalescing.interval_s)
         return []
 
     @property
@@ -188,7 +193,8 @@ class RequestEvents:
 
     def due(self, now: float) -> list[StreamEvent]:
         """The pending chunks whose interval has passed, for samples that produced nothing since
-        (a preempted or waiting sample): progress() sends the others' as they grow."""
+        (a preempted or waiting sample): progress() sends the others' as they grow. The loop
+        asks only once `next_due` has passed, one comparison per request and step."""
         return [self._send(index, now) for index, pending in list(self._pending.items())
                 if not pending.empty and self.coalescing.due(pending, self._last_sent[index], now)]
 
@@ -208,6 +214,9 @@ class RequestEvents:
     def _send(self, index: int, now: float) -> StreamEvent:
         pending = self._pending.pop(index)
         self._last_sent[index] = now
+        if self.coalescing.interval_s > 0:
+            self.next_due = min((self._last_sent[i] + self.coalescing.interval_s
+                                 for i, waiting in self._pending.items() if not waiting.empty), default=math.inf)
         return self.chunk(pending.text, pending.token_ids, pending.logprobs, index if self.request.n > 1 else None,
                           pending.prompt)
 

@@ -3,7 +3,8 @@
 Task threads hand it Submissions; between iterate() calls it drains them into
 the generator, applies cancellations and deadlines, then runs one step and
 hands every event of that step (worker/events.py makes them from the engine's
-outputs) to the publishing thread, which sends them in one Redis pipeline
+outputs; coalescing, a sample's chunk only when due, and every pending chunk before
+a final event) to the publishing thread, which sends them in one Redis pipeline
 before waking the task threads whose jobs finished. The final events and
 results of the requests that ended in the step are built and published after
 that by a third thread, the finishing thread: a result with logprobs is the
@@ -307,7 +308,7 @@ class EngineLoop:
                 del self._active[identifier]
                 finished.append(owner)
         for submission in self._active.values():
-            if submission.stream.pending:
+            if submission.stream.next_due <= stepped:
                 events.extend(submission.stream.due(stepped))
         if generated:
             self._recent_tokens.append((time.monotonic(), generated))
