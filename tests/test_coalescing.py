@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -16,7 +17,7 @@ from celery import Celery
 
 from producer.control import request_cancel
 from producer.protocol import TASK_NAME, StreamEvent, channel_name
-from tests.gateway_service import MODEL, TOKEN, GatewayProcess
+from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, read_sse
 from tests.service import chunk_text, next_event, replay
 from worker.processes import WorkerProcess, wait_until
 
@@ -37,9 +38,13 @@ def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
 
 
 @pytest.fixture(scope="module")
-def oai(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess]) -> openai.OpenAI:
-    gateway = module_gateway(QUEUE, "coalesce-gateway")
-    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+def gateway(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess]) -> str:
+    return module_gateway(QUEUE, "coalesce-gateway").url
+
+
+@pytest.fixture(scope="module")
+def oai(gateway: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 
 def send(client: Celery, identifier: str, stream: dict[str, Any], **request: Any) -> Any:
@@ -153,6 +158,19 @@ def test_a_late_reader_replays_the_same_coalesced_events_the_live_one_saw(
     assert replayed == seen
     sizes = check_stream(replayed, result)
     assert sizes[0] == 1 and len(sizes) < 200
+
+
+def test_the_gateway_s_sse_replays_one_frame_per_coalesced_event_to_a_late_reader(
+    gateway: str, celery_client: Celery, redis_client: redis.Redis
+):
+    identifier = "gateway-replay-5-tokens"
+    result = send(celery_client, identifier, {}).get(timeout=120)
+    with httpx.stream("GET", f"{gateway}/v1/tasks/{identifier}/events", headers=bearer(), timeout=60) as response:
+        frames = read_sse(response)
+    events = replay(redis_client, identifier)
+    assert [(f.id, f.event) for f in frames] == [(f"{e.attempt}-{e.seq}", e.event) for e in events]
+    assert [StreamEvent.from_json(f.data) for f in frames] == events
+    assert check_stream(events, result) == [1] + [WORKER_TOKENS] * 9 + [4]
 
 
 def test_a_sample_s_chunks_are_merged_on_their_own_with_n_samples(
