@@ -255,6 +255,11 @@ MAX_CHAT_TEMPLATE_KWARGS_CHARS = 65_536
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 """Template variables genq sets itself: chat_template_kwargs cannot name them."""
 MAX_ABS_SKEW = 10.0
+MAX_COALESCE_MS = 10_000
+"""Bound of `stream.coalesce_ms`: a chunk at least every 10 s keeps a stream's reader (and a proxy's
+idle timeout) alive."""
+MAX_COALESCE_TOKENS = 1_024
+"""Bound of `stream.coalesce_tokens`."""
 MAX_CONTEXT_SPAN = 2**31 - 1
 """Bound of the token counts repetition_penalty_range, repetition_penalty_decay and dry_range: windows
 over the context, clipped to it, so any length is finite; int32, as the engine's token positions."""
@@ -619,6 +624,14 @@ class StreamOptions(_Input):
 
     enabled: bool = Field(default=True, description="publish chunk events (started and the final event always are)")
     include_token_ids: bool = Field(default=False, description="put token ids in chunk and final events")
+    coalesce_ms: int | None = Field(
+        default=None, ge=0, le=MAX_COALESCE_MS,
+        description="merge a sample's chunks and publish them at most this often (ms; 0: every step; unset: the "
+                    "worker's GENQ_STREAM_COALESCE_MS); the first chunk and the final event go out at once")
+    coalesce_tokens: int | None = Field(
+        default=None, ge=0, le=MAX_COALESCE_TOKENS,
+        description="also publish a sample's merged chunks once this many tokens wait (0: no token trigger; unset: "
+                    "the worker's GENQ_STREAM_COALESCE_TOKENS)")
 
 
 class JsonSchemaConstraint(_Input):

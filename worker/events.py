@@ -12,6 +12,8 @@ them can leave the loop the GIL (worker/pacing.py)."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ from producer.protocol import (
     Usage,
 )
 from producer.protocol import FinishReason as WireFinishReason
+from worker.coalescing import Coalescing, PendingChunk, PromptScores
 from worker.pacing import Pace, no_pace
 from worker.tool_results import with_reasoning, with_tool_calls
 
@@ -102,8 +105,9 @@ class Outcome:
 
 @dataclass
 class RequestEvents:
-    """The wire side of one attempt of one request: its event counter, and each sample's final
-    output until all `samples` have ended. token_text decodes one token id for logprobs."""
+    """The wire side of one attempt of one request: its event counter, each sample's chunk waiting
+    to go out (with `coalescing`: worker/coalescing.py) and each sample's final output until all
+    `samples` have ended. token_text decodes one token id for logprobs."""
 
     identifier: str
     attempt: int
@@ -114,6 +118,11 @@ class RequestEvents:
     started: bool = False
     prompt_sent: bool = False
     outputs: dict[int, EngineOutput] = field(default_factory=dict)
+    coalescing: Coalescing = field(default_factory=Coalescing)
+    _pending: dict[int, PendingChunk] = field(default_factory=dict, init=False)
+    _last_sent: dict[int, float] = field(default_factory=dict, init=False)
+    next_due: float = field(default=math.inf, init=False)
+    """When the earliest pending chunk's interval passes (time.monotonic()); inf when none waits."""
 
     def event(self, kind: EventType, **fields: Any) -> StreamEvent:
         event = StreamEvent(id=self.identifier, seq=self.seq, attempt=self.attempt, event=kind, **fields)
@@ -121,7 +130,7 @@ class RequestEvents:
         return event
 
     def chunk(self, text: str, token_ids: list[int] | None, logprobs: list[TokenLogprob] | None,
-              index: int | None, prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> StreamEvent:
+              index: int | None, prompt: PromptScores | None = None) -> StreamEvent:
         """The per-token event, built without validation: every field comes from this
         worker (a checked identifier, its own counters, the engine's text and ids), and
         validating it cost more than the rest of the event's path. `prompt`: the prompt's
@@ -133,12 +142,14 @@ class RequestEvents:
         self.seq += 1
         return event
 
-    def progress(self, index: int, output: EngineOutput) -> list[StreamEvent]:
+    def progress(self, index: int, output: EngineOutput, now: float | None = None) -> list[StreamEvent]:
         """The events of one sample's step output: `started` once per request (whichever sample
         starts first), then a chunk for any text, token ids or logprobs when the request streams.
         Sample 0's first output after the prefill also brings the prompt's log-probabilities (a
         request with prompt_logprobs): its chunk carries them, even with no text of its own, once
-        per attempt (the engine repeats them on the final output, for the result)."""
+        per attempt (the engine repeats them on the final output, for the result). Coalescing, the
+        piece joins the sample's pending chunk, which goes out at once when it is the sample's
+        first or carries the prompt's log-probabilities, else when due (`now`: time.monotonic())."""
         if output.stage is Stage.STARTED:
             if self.started:
                 return []
@@ -153,9 +164,61 @@ class RequestEvents:
         if output.prompt_logprobs is not None and index == 0 and not self.prompt_sent:
             self.prompt_sent = True
             prompt = (list(output.job.input_ids), self.wire_prompt_logprobs(output.prompt_logprobs))
-        if not (output.text or token_ids or logprobs or prompt):
+        piece = bool(output.text or token_ids or logprobs or prompt)
+        if not self.coalescing.enabled:
+            return [self.chunk(output.text, token_ids, logprobs, index if self.request.n > 1 else None, prompt)
+                    ] if piece else []
+        if not (piece or output.token_ids):
             return []
-        return [self.chunk(output.text, token_ids, logprobs, index if self.request.n > 1 else None, prompt)]
+        # A step whose text is held back (a stop string's possible start, half a character) still
+        # counts its tokens towards coalesce_tokens.
+        pending = self._pending.get(index)
+        if pending is None:
+            pending = self._pending[index] = PendingChunk()
+        pending.add(output.text, token_ids, logprobs, len(output.token_ids), prompt)
+        if pending.empty:
+            return []
+        now = time.monotonic() if now is None else now
+        last_sent = self._last_sent.get(index)
+        if last_sent is None or prompt is not None or self.coalescing.due(pending, last_sent, now):
+            return [self._send(index, now)]
+        if self.coalescing.interval_s > 0:
+            self.next_due = min(self.next_due, last_sent + self.coalescing.interval_s)
+        return []
+
+    @property
+    def pending(self) -> bool:
+        """Whether some sample has a chunk waiting to go out."""
+        return any(not pending.empty for pending in self._pending.values())
+
+    def due(self, now: float) -> list[StreamEvent]:
+        """The pending chunks whose interval has passed, for samples that produced nothing since
+        (a preempted or waiting sample): progress() sends the others' as they grow. The loop
+        asks only once `next_due` has passed, one comparison per request and step."""
+        return [self._send(index, now) for index, pending in list(self._pending.items())
+                if not pending.empty and self.coalescing.due(pending, self._last_sent[index], now)]
+
+    def flush(self, index: int | None = None) -> list[StreamEvent]:
+        """Sample `index`'s pending chunk, or every sample's: a sample or the request is ending, and
+        its final event (or error) must follow all its text."""
+        now = time.monotonic()
+        indices = sorted(self._pending) if index is None else [index] if index in self._pending else []
+        events = []
+        for i in indices:
+            if self._pending[i].empty:  # tokens whose text never came: nothing to send
+                del self._pending[i]
+            else:
+                events.append(self._send(i, now))
+        return events
+
+    def _send(self, index: int, now: float) -> StreamEvent:
+        pending = self._pending.pop(index)
+        self._last_sent[index] = now
+        if self.coalescing.interval_s > 0:
+            self.next_due = min((self._last_sent[i] + self.coalescing.interval_s
+                                 for i, waiting in self._pending.items() if not waiting.empty), default=math.inf)
+        return self.chunk(pending.text, pending.token_ids, pending.logprobs, index if self.request.n > 1 else None,
+                          pending.prompt)
 
     def record(self, index: int, output: EngineOutput) -> bool:
         """Keep a sample's final output; True once every sample has ended."""

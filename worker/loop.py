@@ -3,7 +3,8 @@
 Task threads hand it Submissions; between iterate() calls it drains them into
 the generator, applies cancellations and deadlines, then runs one step and
 hands every event of that step (worker/events.py makes them from the engine's
-outputs) to the publishing thread, which sends them in one Redis pipeline
+outputs; coalescing, a sample's chunk only when due, and every pending chunk before
+a final event) to the publishing thread, which sends them in one Redis pipeline
 before waking the task threads whose jobs finished. The final events and
 results of the requests that ended in the step are built and published after
 that by a third thread, the finishing thread: a result with logprobs is the
@@ -36,6 +37,7 @@ from engine import AdaptersBusy, EngineOutput, FinishReason, Generator, Job, Job
 from engine.errors import AdapterLoadError
 from producer.protocol import FinishReason as WireFinishReason
 from producer.protocol import GenerationRequest, StreamEvent, Timings, Usage
+from worker.coalescing import Coalescing
 from worker.events import Outcome, RequestEvents, StoredResult, sample_of
 from worker.pacing import PACER, dumps_paced
 from worker.publisher import Publisher, PublishingThread
@@ -80,9 +82,11 @@ class Submission:
     expired: bool = False
     stream: RequestEvents = field(init=False, repr=False)
 
-    def attach(self, token_text: Callable[[int], str]) -> None:
-        """Give the submission its wire stream (the loop knows how token ids read)."""
-        self.stream = RequestEvents(self.identifier, self.attempt, self.request, len(self.jobs), token_text)
+    def attach(self, token_text: Callable[[int], str], coalescing: Coalescing) -> None:
+        """Give the submission its wire stream (the loop knows how token ids read, and the
+        worker's default coalescing, which the request's own stream options override)."""
+        self.stream = RequestEvents(self.identifier, self.attempt, self.request, len(self.jobs), token_text,
+                                    coalescing=coalescing.for_request(self.request.stream))
 
 
 @dataclass(frozen=True)
@@ -119,9 +123,12 @@ class LoopCounters:
 class EngineLoop:
     def __init__(self, generator: Generator, publisher: Publisher,
                  on_finished: Callable[[Timings, Usage], None] | None = None,
-                 on_adapters: Callable[[list[str]], None] | None = None) -> None:
-        """on_adapters(names): called on the loop thread after a load or unload changed the adapters."""
+                 on_adapters: Callable[[list[str]], None] | None = None,
+                 coalescing: Coalescing | None = None) -> None:
+        """on_adapters(names): called on the loop thread after a load or unload changed the adapters;
+        coalescing: the worker's default for requests that do not set their own (none: every step)."""
         self.generator = generator
+        self.coalescing = coalescing or Coalescing()
         self.on_finished = on_finished
         self.on_adapters = on_adapters
         self.publishing = PublishingThread(publisher, PUBLISHER_THREAD_NAME)
@@ -150,7 +157,7 @@ class EngineLoop:
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the worker is shutting down")
-            submission.attach(self._token_text)
+            submission.attach(self._token_text, self.coalescing)
             self._inbox.append(submission)
             self.counters.submitted += 1
             self._cond.notify()
@@ -290,15 +297,19 @@ class EngineLoop:
         results = self.generator.iterate()
         self.counters.steps += 1
         generated = 0
+        stepped = time.monotonic()
         for result in results:
             identifier, index = sample_of(result.identifier)
             owner = self._active.get(identifier)
             if owner is None:
                 continue
             generated += len(result.token_ids)
-            if self._on_output(owner, index, result, events, concluded):
+            if self._on_output(owner, index, result, events, concluded, stepped):
                 del self._active[identifier]
                 finished.append(owner)
+        for submission in self._active.values():
+            if submission.stream.next_due <= stepped:
+                events.extend(submission.stream.due(stepped))
         if generated:
             self._recent_tokens.append((time.monotonic(), generated))
             while self._recent_tokens and time.monotonic() - self._recent_tokens[0][0] > TOKENS_PER_SECOND_WINDOW_S:
@@ -385,23 +396,27 @@ class EngineLoop:
                 ) -> None:
         self.counters.failed += 1
         submission.error = message
+        events.extend(submission.stream.flush())
         events.append(submission.stream.error(message))
         finished.append(submission)
 
     def _on_output(self, submission: Submission, index: int, output: EngineOutput, events: list[StreamEvent],
-                   concluded: list[Concluded]) -> bool:
+                   concluded: list[Concluded], now: float) -> bool:
         """One sample's engine output -> stream events; True when the request has ended (its
-        final event is made, or, when it concluded, its final event and result are to be made)."""
+        final event is made, or, when it concluded, its final event and result are to be made).
+        A sample that ended sends its pending chunk first, so every final event follows its text."""
         stream = submission.stream
-        events.extend(stream.progress(index, output))
+        events.extend(stream.progress(index, output, now))
         if not output.eos:
             return False
+        events.extend(stream.flush(index))
         if output.eos_reason is FinishReason.ERROR and not submission.requeue:
             # This sample alone failed in the step (the batch carries on); its siblings stop too.
             for job in submission.jobs:
                 self.generator.cancel(job)
             self.counters.failed += 1
             submission.error = output.error or "engine error"
+            events.extend(stream.flush())
             events.append(stream.error(submission.error))
             return True
         if not stream.record(index, output):

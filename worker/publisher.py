@@ -1,6 +1,8 @@
 """Publishes stream events to Redis: per engine step, ONE pipeline carrying
 every event of the step, each both PUBLISHed on its request's channel (live
-subscribers) and XADDed to its replay stream (late or reconnecting ones).
+subscribers) and XADDed to its replay stream (late or reconnecting ones). With
+chunk coalescing (worker/coalescing.py) a step carries a merged chunk per sample
+only when one is due, so the commands per generated token fall with the interval.
 
 Each stream entry's ID is `{attempt}-{seq}`, so a pipeline resent after Redis
 dropped the connection mid-reply (it may have applied it) cannot add an event

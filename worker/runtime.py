@@ -21,6 +21,7 @@ from engine.errors import AdapterLoadError
 from engine.progress import LoadProgress
 from producer.protocol import TASK_NAME
 from producer.tenants.ranking import top_tenants
+from worker.coalescing import Coalescing
 from worker.control import ControlListener
 from worker.loop import EngineLoop
 from worker.metrics import WorkerMetrics
@@ -76,7 +77,8 @@ class Runtime:
         # What is alive now (model, Celery, imports) lives as long as the process: the collector's
         # full passes, which stop every thread (the engine loop too), need not walk it again.
         gc.freeze()
-        loop = EngineLoop(generator, publisher, on_finished=metrics.observe if metrics else None)
+        loop = EngineLoop(generator, publisher, on_finished=metrics.observe if metrics else None,
+                          coalescing=Coalescing.of(settings.stream_coalesce_ms, settings.stream_coalesce_tokens))
         loop.start()
         if metrics is not None and settings.metrics_port:
             metrics.watch(loop.stats)

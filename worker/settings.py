@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from engine.fair_share import check_weights
-from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE
+from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE, MAX_COALESCE_MS, MAX_COALESCE_TOKENS
 from producer.routing import route_queue, with_lanes
 from producer.settings import ClientSettings
 from producer.tenants.settle import DEFAULT_USAGE_RETENTION_S
@@ -37,6 +37,14 @@ class Settings(ClientSettings):
                                           "attempt being streamed has more: that one is never cut"
     )
     stream_ttl_s: int = Field(default=3600, ge=1, description="replay streams expire this long after their last event")
+    stream_coalesce_ms: int = Field(
+        default=0, ge=0, le=MAX_COALESCE_MS,
+        description="publish a sample's chunks merged, at most this often (ms; 0: every step), for requests that do "
+                    "not set stream.coalesce_ms")
+    stream_coalesce_tokens: int = Field(
+        default=0, ge=0, le=MAX_COALESCE_TOKENS,
+        description="also publish a sample's merged chunks once this many tokens wait (0: no token trigger), for "
+                    "requests that do not set stream.coalesce_tokens")
 
     model: str | None = Field(default=None, description="HF model directory or .gguf file the worker serves")
     mmproj: str | None = Field(default=None, description="llama.cpp mmproj .gguf file with the vision tower and "
