@@ -60,14 +60,22 @@ async def _stream(client: httpx.AsyncClient, url: str, new_tokens: int) -> tuple
     return tokens, "".join(texts)
 
 
-async def _streams(url: str, streams: int, requests: int, new_tokens: int) -> list[tuple[int, str]]:
+async def _stream_or_failure(client: httpx.AsyncClient, url: str, new_tokens: int) -> tuple[int, str] | str:
+    """A completion, or what broke its stream (counted, never retried: a benchmark reports it)."""
+    try:
+        return await _stream(client, url, new_tokens)
+    except httpx.HTTPError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+async def _streams(url: str, streams: int, requests: int, new_tokens: int) -> list[tuple[int, str] | str]:
     """`requests` completions, `streams` of them open at once."""
     limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
     gate = asyncio.Semaphore(streams)
     async with httpx.AsyncClient(limits=limits, timeout=600, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
-        async def one() -> tuple[int, str]:
+        async def one() -> tuple[int, str] | str:
             async with gate:
-                return await _stream(client, url, new_tokens)
+                return await _stream_or_failure(client, url, new_tokens)
 
         return await asyncio.gather(*(one() for _ in range(requests)))
 
@@ -77,6 +85,9 @@ def run_streams(url: str, streams: int, requests: int, new_tokens: int) -> dict[
     start = time.perf_counter()
     done = asyncio.run(_streams(url, streams, requests, new_tokens))
     wall_s = time.perf_counter() - start
-    texts = [text for _, text in done]
-    return {"tokens": sum(tokens for tokens, _ in done), "wall_s": wall_s, "texts_alike": len(set(texts)) == 1,
-            "completed": sum(tokens == new_tokens for tokens, _ in done)}
+    finished = [outcome for outcome in done if isinstance(outcome, tuple)]
+    failures = [outcome for outcome in done if isinstance(outcome, str)]
+    texts = [text for _, text in finished]
+    return {"tokens": sum(tokens for tokens, _ in finished), "wall_s": wall_s, "texts_alike": len(set(texts)) == 1,
+            "completed": sum(tokens == new_tokens for tokens, _ in finished), "failed": len(failures),
+            "failures": sorted(set(failures))}

@@ -15,9 +15,11 @@ once with a plain Celery client (send_task, token ids in the chunk events); one 
 connection follows every request's channel (bench/service_runners.py, as service_overhead.py).
 
 Measured over the workload only (counters read before the first send and after the last result):
+  engine tok/s    the same requests through the synthetic engine in this process, all enqueued at
+                  once, C at a time: at most R (every token costs 1 / R of a step's wait whatever
+                  the batch), less by the engine's own host work (the output processor's text)
   service tok/s   streamed tokens of the completed requests / wall time (first send to the last
-                  final event); service/engine = that / R (the engine alone would take tokens / R
-                  seconds: every token costs 1 / R of a step's wait whatever the batch)
+                  final event); service/engine = that / engine tok/s (service/rate: that / R)
   CPU per 1,000 tokens, per component: the worker process (/proc/PID/stat utime + stime: Celery,
                   tokenizing, the engine loop, the output processor's text, publishing; not the
                   forward, which is a wait), redis-server (INFO cpu: used_cpu_user + used_cpu_sys),
@@ -68,6 +70,8 @@ from celery import Celery  # noqa: E402
 from service_runners import install_sigterm_as_interrupt, run_service  # noqa: E402
 from throughput_runners import Request  # noqa: E402
 
+from engine import EngineConfig, Job  # noqa: E402
+from engine.synthetic import SyntheticGenerator  # noqa: E402
 from worker.processes import RedisServer, WorkerProcess  # noqa: E402
 
 RATES = (2000, 5000, 10000, 20000, 50000)
@@ -146,6 +150,21 @@ def usage(before: dict[str, Any], after: dict[str, Any], tokens: int, wall_s: fl
     }
 
 
+def engine_alone(rate: int, concurrency: int, count: int, model: Path) -> dict[str, Any]:
+    """The same requests through the synthetic engine in this process, all enqueued at once, `concurrency`
+    at a time: the engine's own rate, its host work (the output processor's text) included."""
+    generator = SyntheticGenerator.from_model_dir(model, rate, EngineConfig().with_options(
+        max_batch_size=concurrency, max_pending=count))
+    generator.enqueue([Job(PROMPT, NEW_TOKENS, stop_conditions=[], identifier=i) for i in range(count)])
+    start = time.perf_counter()
+    while generator.num_remaining_jobs():
+        generator.iterate()
+    wall_s = time.perf_counter() - start
+    tokens = generator.stats.generated_tokens
+    return {"tokens": tokens, "wall_s": round(wall_s, 3), "tok_s": round(tokens / wall_s, 1),
+            "forward_share": round(generator.forward_s / wall_s, 4)}
+
+
 def measure_rate(rate: int, args: argparse.Namespace, model: Path, server: RedisServer, workdir: Path
                  ) -> dict[str, Any]:
     celery = Celery("bench-client", broker=server.url, backend=server.url)
@@ -153,6 +172,8 @@ def measure_rate(rate: int, args: argparse.Namespace, model: Path, server: Redis
     options = {"synthetic_rate": rate, "concurrency": args.concurrency, "max_batch_size": args.concurrency}
     seconds = QUICK_MEASURE_S if args.quick else MEASURE_S
     count = max(2 * args.concurrency, round(rate * seconds / NEW_TOKENS))
+    engine = engine_alone(rate, args.concurrency, count, model)
+    progress(f"rate {rate}: the engine alone makes {engine['tok_s']:.0f} tokens/s")
     with WorkerProcess(model, server.url, QUEUE, f"ceiling-{rate}", workdir / f"worker-{rate}.log", options) as worker:
         worker.wait_ready(celery)
         assert worker.pid is not None
@@ -166,10 +187,11 @@ def measure_rate(rate: int, args: argparse.Namespace, model: Path, server: Redis
     wall_s = trace.end - trace.start
     texts = [result["text"] for result in results]
     service = tokens / wall_s
-    progress(f"rate {rate}: {service:.0f} tokens/s at the client, x{service / rate:.3f} of the engine's")
+    progress(f"rate {rate}: {service:.0f} tokens/s at the client, x{service / engine['tok_s']:.3f} of the engine's")
     return {
-        "synthetic_rate": rate, "requests": count, "new_tokens": NEW_TOKENS, "tokens": tokens,
-        "wall_s": round(wall_s, 3), "service_tok_s": round(service, 1), "service_over_engine": round(service / rate, 4),
+        "synthetic_rate": rate, "requests": count, "new_tokens": NEW_TOKENS, "tokens": tokens, "engine": engine,
+        "wall_s": round(wall_s, 3), "service_tok_s": round(service, 1),
+        "service_over_engine": round(service / engine["tok_s"], 4), "service_over_rate": round(service / rate, 4),
         "streams_match_results": trace.texts == texts, "texts_alike": len(set(texts)) == 1,
         "completion_tokens_reported": sum(result["usage"]["completion_tokens"] for result in results),
         **usage(before, after, tokens, wall_s),
@@ -193,12 +215,16 @@ def measure_sse(args: argparse.Namespace, model: Path, server: RedisServer, work
             after = snapshot(worker.pid, client, gateway.pid)
     finally:
         gateway.stop()
+    if done["failed"]:
+        progress(f"gateway: {done['failed']} streams broke ({'; '.join(done['failures'])}); its log ends with:\n"
+                 f"{gateway.log_tail(20)}")
     service = done["tokens"] / done["wall_s"]
-    progress(f"gateway: {service:.0f} tokens/s at the client, x{service / rate:.3f} of the engine's")
+    progress(f"gateway: {service:.0f} tokens/s at the client, x{service / rate:.3f} of the synthetic rate")
     return {"synthetic_rate": rate, "streams": streams, "requests": 2 * streams, "new_tokens": NEW_TOKENS,
-            "tokens": done["tokens"], "completed": done["completed"], "texts_alike": done["texts_alike"],
+            "tokens": done["tokens"], "completed": done["completed"], "failed": done["failed"],
+            "failures": done["failures"], "texts_alike": done["texts_alike"],
             "wall_s": round(done["wall_s"], 3), "service_tok_s": round(service, 1),
-            "service_over_engine": round(service / rate, 4), **usage(before, after, done["tokens"], done["wall_s"])}
+            "service_over_rate": round(service / rate, 4), **usage(before, after, done["tokens"], done["wall_s"])}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,27 +251,28 @@ def markdown_table(results: dict[str, Any]) -> str:
     rows = []
     for r in results["runs"]:
         per_1k, share = r["cpu_s_per_1k_tokens"], r["share_of_a_core"]
-        rows.append([f"{r['synthetic_rate']:,}", f"{r['service_tok_s']:,.0f}", f"{r['service_over_engine']:.3f}",
+        rows.append([f"{r['synthetic_rate']:,}", f"{r['engine']['tok_s']:,.0f}", f"{r['service_tok_s']:,.0f}",
+                     f"{r['service_over_engine']:.3f}",
                      f"{per_1k['worker']:.3f} ({share['worker']:.0%})", f"{per_1k['redis']:.3f} ({share['redis']:.0%})",
                      f"{per_1k['client']:.3f} ({share['client']:.0%})", f"{r['redis_commands_per_token']:.2f}",
                      f"{r['redis_bytes_in_per_token']:.0f} / {r['redis_bytes_out_per_token']:.0f}"])
-    header = ["synthetic tok/s", "service tok/s", "service/engine", "worker CPU s/1k tok (core)",
+    header = ["synthetic tok/s", "engine alone tok/s", "service tok/s", "service/engine", "worker CPU s/1k tok (core)",
               "Redis CPU s/1k tok (core)", "client CPU s/1k tok (core)", "Redis cmds/token",
               "Redis bytes in/out per token"]
     sustained = results["highest_sustained_rate"]
     note = (f"\nHighest rate sustained at service/engine >= {results['target_ratio']}: "
             f"{'none' if sustained is None else f'{sustained:,} tokens/s'} ({results['concurrency']} requests in "
             f"flight; {measured_when(results['machine'])})")
-    lines = [*table_lines(header, "rrrrrrrr", rows), note]
+    lines = [*table_lines(header, "rrrrrrrrr", rows), note]
     sse = results["gateway"]
     if sse is not None:
         per_1k, share = sse["cpu_s_per_1k_tokens"], sse["share_of_a_core"]
         cells = [f"{per_1k[name]:.3f} ({share[name]:.0%})" for name in ("worker", "gateway", "redis", "client")]
         lines += ["", *table_lines(
-            ["SSE streams", "synthetic tok/s", "service tok/s", "service/engine", "worker CPU s/1k tok (core)",
+            ["SSE streams", "synthetic tok/s", "service tok/s", "service/rate", "worker CPU s/1k tok (core)",
              "gateway", "Redis", "client", "Redis cmds/token"], "rrrrrrrrr",
             [[sse["streams"], f"{sse['synthetic_rate']:,}", f"{sse['service_tok_s']:,.0f}",
-              f"{sse['service_over_engine']:.3f}", *cells, f"{sse['redis_commands_per_token']:.2f}"]])]
+              f"{sse['service_over_rate']:.3f}", *cells, f"{sse['redis_commands_per_token']:.2f}"]])]
     return "\n".join(lines)
 
 
@@ -254,7 +281,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     rates = [r["synthetic_rate"] for r in runs]
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.5))
     left.plot(rates, [r["service_tok_s"] for r in runs], "o-", label="service (at the client)")
-    left.plot(rates, rates, "--", color="gray", label="engine (synthetic rate)")
+    left.plot(rates, rates, "--", color="gray", label="synthetic rate")
+    left.plot(rates, [r["engine"]["tok_s"] for r in runs], "^-", color="C2", label="engine alone (in-process)")
     for r in runs:
         left.annotate(f"x{r['service_over_engine']:.2f}", (r["synthetic_rate"], r["service_tok_s"]), fontsize=8,
                       textcoords="offset points", xytext=(4, -10))
