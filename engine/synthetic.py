@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -66,7 +67,9 @@ def word_tokens(tokenizer: Tokenizer, vocab_size: int, count: int = WORD_CYCLE) 
 class SyntheticGenerator(Generator):
     """The worker's side of the Generator API (enqueue, iterate, cancel, counts, stats) with a
     paced wait for a forward. `wait(seconds)` is the forward's wait (time.sleep releases the GIL;
-    the pacing test passes a recorder)."""
+    the pacing test passes a recorder). A subclass, so the worker takes it where it takes a
+    Generator; Generator.__init__ is not called: it builds the model's runner, sampler and
+    scheduler, none of which run here, and this class sets every attribute the worker reads."""
 
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, rate: float,
                  config: EngineConfig | None = None, wait: Callable[[float], None] = time.sleep) -> None:
@@ -95,7 +98,7 @@ class SyntheticGenerator(Generator):
         self.forward_s = 0.0  # the paced waits so far: the engine's own time
         self._next_serial = 0
         self._sequences: dict[int, Sequence] = {}
-        self._waiting: list[Sequence] = []
+        self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._undelivered: list[EngineOutput] = []
 
@@ -174,7 +177,7 @@ class SyntheticGenerator(Generator):
         results, self._undelivered = self._undelivered, []
         now = time.monotonic()
         while self._waiting and len(self._running) < self.max_batch_size:
-            sequence = self._waiting.pop(0)
+            sequence = self._waiting.popleft()
             sequence.time_started = now
             self.counters.computed_prompt_tokens += sequence.num_prompt_tokens
             self._running.append(sequence)
