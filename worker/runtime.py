@@ -19,6 +19,7 @@ from celery.signals import task_success
 from engine import Generator
 from engine.errors import AdapterLoadError
 from engine.progress import LoadProgress
+from engine.synthetic import SyntheticGenerator
 from producer.protocol import TASK_NAME
 from producer.tenants.ranking import top_tenants
 from worker.coalescing import Coalescing
@@ -51,15 +52,7 @@ class Runtime:
             raise ValueError("no model: pass --model DIR or set GENQ_MODEL")
         started = time.monotonic()
         log.info("loading model %s on %s", settings.model, settings.device)
-        generator = Generator.from_pretrained(
-            settings.model,
-            device=settings.device,
-            dtype=settings.dtype,
-            config=settings.engine_config(),
-            progress=LoadProgress(logger=log),
-            draft_model_path=settings.draft_model,
-            mmproj=settings.mmproj,
-        )
+        generator = load_generator(settings, settings.model)
         load_adapters(generator, settings)
         client = settings.redis()
         warn_without_persistence(client)
@@ -85,7 +78,8 @@ class Runtime:
             metrics.serve(settings.metrics_port, settings.metrics_address)
             log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, settings.metrics_port)
         redeliveries = Redeliveries(client, settings.key_prefix)
-        card = CardPublisher(client, settings.key_prefix, settings.queue, node, *describe(generator, settings.model))
+        card = CardPublisher(client, settings.key_prefix, settings.queue, node,
+                             *describe(generator, card_model(settings.model, settings.synthetic_rate)))
         card.heartbeat()
         loop.on_adapters = card.set_adapters  # before the control listener can change any
         control = ControlListener(client, settings.key_prefix, settings.queue, loop, redeliveries, card)
@@ -99,6 +93,29 @@ class Runtime:
         self.card.withdraw()
         self.loop.stop(self.settings.shutdown_grace_s)
         self.control.stop()
+
+
+def load_generator(settings: Settings, model: str) -> Generator:
+    """The model's generator, or with --synthetic-rate the synthetic engine (a benchmark tool)."""
+    if settings.synthetic_rate is not None:
+        log.warning("SYNTHETIC ENGINE (--synthetic-rate %g): no model runs; requests get word tokens at %g "
+                    "tokens/s. A benchmark and test tool, never for serving.", settings.synthetic_rate,
+                    settings.synthetic_rate)
+        return SyntheticGenerator.from_model_dir(model, settings.synthetic_rate, settings.engine_config())
+    return Generator.from_pretrained(
+        model,
+        device=settings.device,
+        dtype=settings.dtype,
+        config=settings.engine_config(),
+        progress=LoadProgress(logger=log),
+        draft_model_path=settings.draft_model,
+        mmproj=settings.mmproj,
+    )
+
+
+def card_model(model: str, synthetic_rate: float | None) -> str:
+    """The model the card names: a synthetic engine says so (GET /v1/models shows it)."""
+    return model if synthetic_rate is None else f"{model} (synthetic engine, {synthetic_rate:g} tokens/s)"
 
 
 def load_adapters(generator: Generator, settings: Settings) -> None:

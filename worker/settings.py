@@ -120,6 +120,11 @@ class Settings(ClientSettings):
         default=None, pattern=r"^[0-9]{1,4}(,[0-9]{1,4})*$",
         description="prefix routes this worker also consumes, e.g. 0 or 0,1 (producer/routing.py): requests "
                     "starting alike reach the same worker, so its prefix cache hits")
+    synthetic_rate: float | None = Field(
+        default=None, gt=0,
+        description="BENCHMARK AND TEST TOOL, never for serving: replace the model by the synthetic engine "
+                    "(engine/synthetic.py), which streams word tokens at this many tokens/s over its batch, "
+                    "reading only the model directory's tokenizer and config; the model card says so")
 
     @field_validator("lora")
     @classmethod
@@ -142,6 +147,12 @@ class Settings(ClientSettings):
                              f"GENQ_CONCURRENCY={self.concurrency} to take tasks with; keep it below")
         if self.ngram_draft and self.draft_model:
             raise ValueError("GENQ_NGRAM_DRAFT and GENQ_DRAFT_MODEL: choose one way to draft")
+        if self.synthetic_rate is not None:
+            engine_parts = {"GENQ_LORA": bool(self.lora), "GENQ_DRAFT_MODEL": bool(self.draft_model),
+                            "GENQ_NGRAM_DRAFT": self.ngram_draft, "GENQ_MMPROJ": bool(self.mmproj)}
+            given = [name for name, set_ in engine_parts.items() if set_]
+            if given:
+                raise ValueError(f"GENQ_SYNTHETIC_RATE: the synthetic engine has no model for {', '.join(given)}")
         for route in self.prefix_routes_served:
             if route >= self.prefix_routes:
                 raise ValueError(f"GENQ_PREFIX_ROUTE: route {route} needs GENQ_PREFIX_ROUTES above {route} "
