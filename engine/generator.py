@@ -151,11 +151,8 @@ class Generator:
 
     # -- the job API -----------------------------------------------------------------
 
-    def enqueue(self, job: Job | Seq[Job]) -> int | list[int]:
-        """Queue a job (or a list of jobs, in order: their serials); returns its serial. Raises
-        JobRejected if it can never run here, QueueFull if max_pending jobs are already waiting,
-        AdaptersBusy if its LoRA adapter finds every resident slot held (retry later). A list is
-        checked whole first, so it is queued entirely or not at all."""
+    def _admitted(self, job: Job | Seq[Job]) -> list[Job]:
+        """The jobs of one enqueue call, once they fit the pending queue and pass admission."""
         jobs = [job] if isinstance(job, Job) else list(job)
         waiting = self.num_pending_jobs()
         if waiting + len(jobs) > self.max_pending:
@@ -163,6 +160,14 @@ class Generator:
                             f"max_pending={self.max_pending}")
         for each in jobs:
             admit(each, self.limits)
+        return jobs
+
+    def enqueue(self, job: Job | Seq[Job]) -> int | list[int]:
+        """Queue a job (or a list of jobs, in order: their serials); returns its serial. Raises
+        JobRejected if it can never run here, QueueFull if max_pending jobs are already waiting,
+        AdaptersBusy if its LoRA adapter finds every resident slot held (retry later). A list is
+        checked whole first, so it is queued entirely or not at all."""
+        jobs = self._admitted(job)
         holding: set[int] = set()
         adapters = []
         for each in jobs:

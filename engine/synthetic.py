@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from engine.admission import Limits, admit
+from engine.admission import Limits
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig, resolve_limits
-from engine.errors import JobRejected, QueueFull
+from engine.errors import JobRejected
 from engine.generator import Generator
 from engine.job import Job
 from engine.kv_manager import KVManager
@@ -113,13 +113,8 @@ class SyntheticGenerator(Generator):
     # -- the job API -----------------------------------------------------------------
 
     def enqueue(self, job: Job | Seq[Job]) -> int | list[int]:
-        jobs = [job] if isinstance(job, Job) else list(job)
-        waiting = self.num_pending_jobs()
-        if waiting + len(jobs) > self.max_pending:
-            raise QueueFull(f"{waiting} jobs already pending; {len(jobs)} more would exceed "
-                            f"max_pending={self.max_pending}")
+        jobs = self._admitted(job)
         for each in jobs:
-            admit(each, self.limits)
             _check_synthesizable(each)
             self.adapters.resolve(each.adapter)
         serials = [self._add(each) for each in jobs]

@@ -19,10 +19,13 @@ from typing import Any, Self
 import httpx
 import openai
 import pytest
+import redis
 from celery import Celery
 
 from producer.client import GenqClient
+from producer.protocol import DEFAULT_KEY_PREFIX
 from producer.signing import signed_headers
+from producer.tenants.keys import KeyStore
 from tests.service import plain_client
 from worker.processes import ChildProcess, WorkerProcess, free_port, genq_command, wait_until
 
@@ -257,3 +260,14 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="module")
+def store(redis_client: redis.Redis) -> KeyStore:
+    """API keys made as `genq keys create` makes them."""
+    return KeyStore(redis_client, DEFAULT_KEY_PREFIX)
+
+
+def sdk(gateway: str, key: str) -> openai.OpenAI:
+    """The openai SDK calling `gateway` with an API key, without retries."""
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=120)

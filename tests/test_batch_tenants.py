@@ -22,11 +22,12 @@ from fastapi.testclient import TestClient
 
 from producer.client import GenqClient
 from producer.gateway import GatewaySettings, create_app
-from producer.protocol import DEFAULT_KEY_PREFIX
 from producer.tenants.keys import KeyLimits, KeyStore
-from tests.gateway_service import TOKEN, GatewayProcess, bearer
+from tests.gateway_service import TOKEN, GatewayProcess, bearer, sdk, store
 from tests.test_batches import batch_env, chat_line, jsonl, output_lines, wait_for
 from worker.processes import WorkerProcess
+
+__all__ = ["store"]
 
 QUEUE = "genq-batch-tenants"
 ENDED = {"completed", "failed", "expired", "cancelled"}
@@ -44,18 +45,9 @@ def gateway(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess]
 
 
 @pytest.fixture(scope="module")
-def store(redis_client: redis.Redis) -> KeyStore:
-    return KeyStore(redis_client, DEFAULT_KEY_PREFIX)
-
-
-@pytest.fixture(scope="module")
 def genq(redis_url: str) -> Iterator[GenqClient]:
     with GenqClient(redis_url, queue=QUEUE) as client:
         yield client
-
-
-def sdk(gateway: str, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=60)
 
 
 def tenant_name(stem: str) -> str:

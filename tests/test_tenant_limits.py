@@ -13,15 +13,24 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 
 from producer.client import GenqClient
-from producer.protocol import DEFAULT_KEY_PREFIX, Usage
+from producer.protocol import Usage
 from producer.tenants.keys import KeyLimits, KeyStore
-from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, model_dir, module_gateway, module_worker
+from tests.gateway_service import (
+    MODEL,
+    TOKEN,
+    GatewayProcess,
+    bearer,
+    model_dir,
+    module_gateway,
+    module_worker,
+    sdk,
+    store,
+)
 from worker.processes import WorkerProcess, free_port
 
-__all__ = ["model_dir", "module_gateway", "module_worker"]
+__all__ = ["model_dir", "module_gateway", "module_worker", "store"]
 
 QUEUE = "genq-tenants"
 IDLE_QUEUE = "genq-tenants-idle"
@@ -45,18 +54,9 @@ def gateways(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess
 
 
 @pytest.fixture(scope="module")
-def store(redis_client: redis.Redis) -> KeyStore:
-    return KeyStore(redis_client, DEFAULT_KEY_PREFIX)
-
-
-@pytest.fixture(scope="module")
 def genq(redis_url: str) -> Iterator[GenqClient]:
     with GenqClient(redis_url, queue=QUEUE) as client:
         yield client
-
-
-def sdk(gateway: str, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def chat(gateway: str, key: str, **options: Any) -> tuple[int, httpx.Headers, Any]:
