@@ -120,7 +120,8 @@ She opened the window and looked at the garden: roses, tulips, sunflowers, and a
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # Sizes. "test" keeps unit tests fast; "tiny" (~5M parameters) and "small" (~40M)
-# are for the demo and benchmarks. Real vocabularies are far larger, but the
+# are for the demo and benchmarks; "medium" (~185M: a 1B model's layer widths, 4 layers)
+# gives LoRA adapters the size relative to their base that real deployments have. Real vocabularies are far larger, but the
 # corpus below cannot support more merges without synthetic filler.
 PRESETS: dict[str, dict[str, int]] = {
     "test": {
@@ -152,6 +153,16 @@ PRESETS: dict[str, dict[str, int]] = {
         "head_dim": 64,
         "vocab_size": 4096,
         "max_position_embeddings": 8192,
+    },
+    "medium": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 2048,
+        "max_position_embeddings": 4096,
     },
 }
 

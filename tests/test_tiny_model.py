@@ -213,6 +213,7 @@ def test_preset_sizes() -> None:
     for family in FAMILIES:
         assert 30_000_000 <= count_parameters(model_config(family, "small")) <= 60_000_000
     assert PRESETS["small"]["vocab_size"] >= 4096
+    assert 150_000_000 <= count_parameters(model_config("llama", "medium")) <= 250_000_000
 
 
 def test_overrides_reach_config_and_weights(tmp_path: Path) -> None:
