@@ -23,6 +23,8 @@ import redis
 from celery import Celery
 from fastapi.testclient import TestClient
 
+from producer.batches.records import BATCH_ID_PATTERN
+from producer.batches.storage import FILE_ID_PATTERN
 from producer.callback_targets import CallbackUrlRefused, resolve_target
 from producer.callbacks import DELIVER_CALLBACK_TASK, CallbackRejected, CallbackSettings
 from producer.callbacks import create_app as create_callback_app
@@ -416,7 +418,8 @@ def documented_genq_keys() -> list[re.Pattern[str]]:
     assert len(names) >= 9, names
     identifier = IDENTIFIER_PATTERN.strip("^$")
     parts = {"{prefix}": "genq", "{id}": identifier, "{task id}": identifier, "{queue}": identifier,
-             "{digest}": "[0-9A-Za-z_-]+", "{key id}": "[0-9a-f]{16}", "{tenant}": identifier, "{hour}": "[0-9]+"}
+             "{digest}": "[0-9A-Za-z_-]+", "{key id}": "[0-9a-f]{16}", "{tenant}": identifier, "{hour}": "[0-9]+",
+             "{file id}": FILE_ID_PATTERN.strip("^$"), "{batch id}": BATCH_ID_PATTERN.strip("^$")}
     patterns = []
     for name in names:
         pattern = re.escape(name)
