@@ -101,6 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"concurrent SSE streams through the gateway (default {SSE_STREAMS}; 0 skips it)")
     parser.add_argument("--sse-rate", type=int, default=SSE_RATE,
                         help=f"the synthetic rate of the gateway run (default {SSE_RATE})")
+    parser.add_argument("--coalesce-ms", type=int, default=0,
+                        help="the workers' chunk coalescing interval (GENQ_STREAM_COALESCE_MS; default 0: a chunk "
+                             "per step)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     if args.rates is None:
@@ -169,7 +172,8 @@ def measure_rate(rate: int, args: argparse.Namespace, model: Path, server: Redis
                  ) -> dict[str, Any]:
     celery = Celery("bench-client", broker=server.url, backend=server.url)
     client = redis.Redis.from_url(server.url)
-    options = {"synthetic_rate": rate, "concurrency": args.concurrency, "max_batch_size": args.concurrency}
+    options = {"synthetic_rate": rate, "concurrency": args.concurrency, "max_batch_size": args.concurrency,
+               "stream_coalesce_ms": args.coalesce_ms}
     seconds = QUICK_MEASURE_S if args.quick else MEASURE_S
     count = max(2 * args.concurrency, round(rate * seconds / NEW_TOKENS))
     engine = engine_alone(rate, args.concurrency, count, model)
@@ -202,7 +206,8 @@ def measure_sse(args: argparse.Namespace, model: Path, server: RedisServer, work
     celery = Celery("bench-client", broker=server.url, backend=server.url)
     client = redis.Redis.from_url(server.url)
     streams, rate = args.streams, args.sse_rate
-    options = {"synthetic_rate": rate, "concurrency": streams, "max_batch_size": streams}
+    options = {"synthetic_rate": rate, "concurrency": streams, "max_batch_size": streams,
+               "stream_coalesce_ms": args.coalesce_ms}
     gateway, url = start_gateway(server.url, QUEUE, streams, workdir / "gateway.log")
     try:
         with WorkerProcess(model, server.url, QUEUE, "ceiling-sse", workdir / "worker-sse.log", options) as worker:
@@ -242,7 +247,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "service_ceiling", "machine": machine, "redis_version": redis_version,
         "model": "llama tiny preset (its tokenizer and config only: genq_dev/tiny_model.py)",
-        "concurrency": args.concurrency, "target_ratio": TARGET_RATIO, "runs": runs, "gateway": sse,
+        "concurrency": args.concurrency, "coalesce_ms": args.coalesce_ms, "target_ratio": TARGET_RATIO,
+        "runs": runs, "gateway": sse,
         "highest_sustained_rate": max(sustained) if sustained else None,
     }
 
