@@ -25,7 +25,6 @@ how many flood tasks were still queued when the last interactive request got its
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 import uuid
@@ -34,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (
+    RESULTS_DIR,
+    bench_main,
+    bench_parser,
     ensure_model,
-    load_average,
-    machine_info,
     percentiles_ms,
     progress,
     save_figure,
-    warn_if_busy,
-    write_results,
+    start_run,
 )
 
 from producer.client import GenqClient
@@ -55,14 +54,14 @@ MODES = ("idle", "shared", "lanes")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "60 flood tasks, 5 interactive requests; writes fairness_quick.{json,png}",
+                          "Three modes (idle, one shared list, lanes), each with its own worker; a few minutes.")
     parser.add_argument("--flood", type=int, default=200, help="requests the flooding tenant sends at once")
     parser.add_argument("--interactive", type=int, default=20, help="requests the other tenant sends, one by one")
     parser.add_argument("--concurrency", type=int, default=4, help="the worker's task slots and engine batch")
     parser.add_argument("--lanes", type=int, default=4, help="GENQ_TENANT_LANES in the lanes mode")
     parser.add_argument("--preset", default="tiny", help="tiny model preset (genq_dev/tiny_model.py)")
-    parser.add_argument("--quick", action="store_true", help="60 flood tasks, 5 interactive requests")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     if args.quick:
         args.flood, args.interactive = 60, 5
@@ -165,12 +164,11 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    warn_if_busy(1)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    machine = start_run(1)
     model = ensure_model(args.preset)
     results: dict[str, Any] = {
-        "machine": machine_info(),
+        "machine": machine,
         "settings": {"flood": args.flood, "interactive": args.interactive, "concurrency": args.concurrency,
                      "lanes": args.lanes, "preset": args.preset, "flood_max_new_tokens": "8 + i % 17",
                      "interactive_max_new_tokens": 2},
@@ -180,10 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp), persistence="none") as server:
         for mode in MODES:
             results["modes"][mode] = run_mode(mode, model, args, server.url, Path(tmp))
-    results["machine"]["load_average_at_end"] = load_average()
-    write_results(results, args.out, "fairness", args.quick, plot, markdown_table)
-    return 0
+    return results
 
+
+main = bench_main("fairness", parse_args, run, plot, markdown_table)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

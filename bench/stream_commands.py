@@ -26,7 +26,6 @@ rate every interval holds more tokens, so the coalesced figures here are upper b
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import threading
 import time
@@ -37,13 +36,14 @@ from typing import Any
 
 import redis
 from bench_common import (
+    RESULTS_DIR,
+    bench_main,
+    bench_parser,
     ensure_model,
-    machine_info,
     percentiles_ms,
     progress,
+    start_run,
     table_lines,
-    warn_if_busy,
-    write_results,
 )
 from celery import Celery
 
@@ -56,12 +56,12 @@ STREAM_COMMANDS = ("publish", "xadd", "expire")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "8 requests of 32 tokens; writes stream_commands_quick.{json,png}",
+                          "Four modes, each with its own worker; a minute or two.")
     parser.add_argument("--requests", type=int, default=32, help="requests sent at once (the worker's batch)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--preset", default="tiny", help="tiny model preset (genq_dev/tiny_model.py)")
-    parser.add_argument("--quick", action="store_true", help="8 requests of 32 tokens")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.tokens = 8, 32
@@ -176,19 +176,19 @@ def markdown_table(results: dict[str, Any]) -> str:
          for mode, m in results["modes"].items()]))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    warn_if_busy(1)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    machine = start_run(1)
     model = ensure_model(args.preset)
-    results: dict[str, Any] = {"method": __doc__, "machine": machine_info(),
+    results: dict[str, Any] = {"method": __doc__, "machine": machine,
                                "settings": {"requests": args.requests, "tokens": args.tokens, "preset": args.preset},
                                "modes": {}}
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp), persistence="none") as server:
         for mode in MODES:
             results["modes"][mode] = run_mode(mode, model, args, server.url, Path(tmp))
-    write_results(results, args.out, "stream_commands", args.quick, plot, markdown_table)
-    return 0
+    return results
 
+
+main = bench_main("stream_commands", parse_args, run, plot, markdown_table)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
