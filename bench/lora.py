@@ -35,11 +35,9 @@ from bench_common import (
     RESULTS_DIR,
     bench_parser,
     ensure_model,
-    load_average,
-    machine_info,
     progress,
     save_figure,
-    warn_if_busy,
+    start_run,
     write_results,
 )
 from peft import LoraConfig, get_peft_model
@@ -114,9 +112,7 @@ def timed_run(generator: Generator, adapters: int, new_tokens: int) -> tuple[flo
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
-    machine = machine_info()
-    warn_if_busy(args.threads)
+    machine = start_run(args.threads)
     path = ensure_model(args.preset)
     new_tokens = 8 if args.quick else args.new_tokens
     repeats = 1 if args.quick else args.repeats
@@ -147,7 +143,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": __doc__,
         "machine": machine,
-        "load_average_at_end": load_average(),
         "threads": args.threads,
         "preset": args.preset,
         "rank": args.rank,
