@@ -150,9 +150,10 @@ def test_a_tenants_listing_pages_over_its_own_files_and_batches_only(gateway: st
 
 
 def test_a_tenants_batch_lines_run_as_it_outside_its_key_limits_and_count_exactly_in_its_usage(
-        gateway: str, store: KeyStore, genq: GenqClient):
+        gateway: str, store: KeyStore, genq: GenqClient, redis_client: redis.Redis):
     """The key allows one request a minute, one token a minute and one task at a time: the batch's
-    creation is its one request, and its three lines, outside the per-minute limits, all run."""
+    creation is its one request, and its three lines, outside the per-minute limits, all run; their
+    usage counts exactly, as the output file states it, under the tenant and under the key."""
     tenant = tenant_name("usage")
     record, key = store.create(tenant, "batch", KeyLimits(rpm=1, tpm=1, concurrent=1))
     client = sdk(gateway, key)
@@ -171,13 +172,20 @@ def test_a_tenants_batch_lines_run_as_it_outside_its_key_limits_and_count_exactl
     expected = {"prompt_tokens": sum(r.usage.prompt_tokens for r in results),
                 "completion_tokens": sum(r.usage.completion_tokens for r in results),
                 "cached_tokens": sum(r.usage.cached_tokens for r in results), "requests": 3}
+    assert expected == {"prompt_tokens": sum(u["prompt_tokens"] for u in answered.values()),
+                        "completion_tokens": sum(u["completion_tokens"] for u in answered.values()),
+                        "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in answered.values()),
+                        "requests": len(answered)}  # the output file's own usage
     usage = httpx.get(f"{gateway}/v1/usage", headers=bearer(key), timeout=30).json()
     assert usage["totals"] == expected
     assert {row["tenant"] for row in usage["data"]} == {tenant}
     admin = httpx.get(f"{gateway}/v1/usage", params={"tenant": tenant}, headers=bearer(TOKEN), timeout=30).json()
     assert admin["totals"] == expected
-    by_key = httpx.get(f"{gateway}/v1/usage", params={"key": record.id}, headers=bearer(TOKEN), timeout=30).json()
-    assert by_key["totals"]["requests"] == 0  # batch lines count under the tenant, not the key
+    for asker in (key, TOKEN):  # the key that made the batch counts its lines, as the admin sees it too
+        by_key = httpx.get(f"{gateway}/v1/usage", params={"key": record.id}, headers=bearer(asker), timeout=30)
+        assert by_key.json()["totals"] == expected
+        assert {(row["tenant"], row["key"]) for row in by_key.json()["data"]} == {(tenant, record.id)}
+    assert not redis_client.keys(f"*:tenancy:task:{batch_id}-*")  # every line settled: no record left
 
     with pytest.raises(openai.RateLimitError) as refused:
         create_batch(client, file_id)

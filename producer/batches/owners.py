@@ -1,7 +1,7 @@
 """Whose files and batches they are. A file or batch an API key makes belongs to the key's tenant;
 one the admin makes (the gateway token) belongs to no tenant. A key sees only its tenant's; the
 admin sees every one. A batch also keeps the `max_priority` of the key that made it, the best
-priority its lines may run at."""
+priority its lines may run at, and the key's id, under which its lines' usage counts."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Owner:
     """A caller, or the maker of a file or batch: an API key's tenant (and that key's
-    max_priority), or the admin (tenant None)."""
+    max_priority and id), or the admin (tenant None)."""
 
     tenant: str | None = None
     max_priority: int | None = None
+    key_id: str | None = None
 
     def sees(self, tenant: str | None) -> bool:
         """Whether this caller may see a file or batch that `tenant` owns (None: the admin's)."""

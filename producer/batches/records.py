@@ -1,7 +1,7 @@
 """Batch records in Redis: OpenAI's Batch object and a batch's progress, kept so that any gateway
 can take over driving it. Per batch, a hash `{prefix}:batch:{id}` (the fixed fields as one JSON
 value, the status and its timestamps, the counts, `sent`: how many lines have been queued, the
-owner's tenant and max_priority when an API key made it, producer/batches/owners.py) and a
+owner's tenant, max_priority and key id when an API key made it, producer/batches/owners.py) and a
 hash `{prefix}:batch:{id}:done` (line index -> "completed" or "failed"), whose HSETNX counts each
 line once however often its answer is collected. Every batch is listed in one sorted set, and
 a tenant's also in the tenant's own. Status changes are compare-and-set scripts, so a
@@ -130,8 +130,8 @@ class BatchRecords:
         fixed = batch.model_dump(include={"id", "endpoint", "input_file_id", "completion_window", "created_at",
                                           "expires_at", "metadata"})
         owned: dict[FieldT, EncodableT] = {
-            name: value for name, value in (("owner", owner.tenant), ("max_priority", owner.max_priority))
-            if value is not None}
+            name: value for name, value in (("owner", owner.tenant), ("max_priority", owner.max_priority),
+                                            ("key", owner.key_id)) if value is not None}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key(batch.id), mapping={"fixed": json.dumps(fixed), "status": "validating",
                                                     "total": total, "sent": 0, "completed": 0, "failed": 0, **owned})
@@ -166,7 +166,7 @@ class BatchRecords:
             values["errors"] = BatchErrors.model_validate_json(fields["errors"])
         max_priority = fields.get("max_priority")
         return Batch.model_validate(values), Owner(fields.get("owner"), None if max_priority is None
-                                                   else int(max_priority))
+                                                   else int(max_priority), fields.get("key"))
 
     async def page(self, after: str | None, limit: int, viewer: Owner) -> tuple[list[Batch], bool]:
         """The batches `viewer` sees, newest first, those after batch `after`, at most `limit`; and

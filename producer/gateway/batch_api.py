@@ -31,10 +31,10 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 def owner_of(request: Request) -> Owner:
-    """The caller as the Files and Batch APIs see it: an API key's tenant and max_priority (its
+    """The caller as the Files and Batch APIs see it: an API key's tenant, max_priority and id (its
     own files and batches only), or the admin (every one)."""
     key = caller_of(request).key
-    return ADMIN if key is None else Owner(key.tenant, key.limits.max_priority)
+    return ADMIN if key is None else Owner(key.tenant, key.limits.max_priority, key.id)
 
 
 class BatchApi:

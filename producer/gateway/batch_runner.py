@@ -2,7 +2,8 @@
 translated by the endpoint's own translation (app.chat_generation, completions'
 completion_generations) into the genq request it runs as, at the batch priority with the
 completion window as its deadline, and as the batch owner's tenant (tenancy.as_tenant: the tenant
-set, the priority clamped to the key's max_priority); a task's outcome read back as the endpoint would have
+set, the priority clamped to the key's max_priority), its usage counted under the owner's key too
+(tenancy.attribute); a task's outcome read back as the endpoint would have
 answered it; the end of a batch posted to the webhook its metadata names (`genq_webhook_url`),
 through the callback worker (producer/callbacks.py)."""
 
@@ -53,6 +54,9 @@ class GatewayLineRunner:
     async def send(self, batch: Batch, owner: Owner, lines: list[tuple[BatchLine, str]]
                    ) -> list[tuple[BatchLine, LineAnswer]]:
         prepared, refused = await self._prepare(batch, owner, lines)
+        if owner.key_id is not None:
+            identifiers = [g.identifier for generations in prepared.values() for g in generations if g.identifier]
+            await self.gateway.tenancy.attribute(owner.key_id, identifiers, batch.expires_at)
         for queue, generations in prepared.items():
             for handle in await self.gateway.client.submit_many(generations, queue=queue):
                 await handle.close()

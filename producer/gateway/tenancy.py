@@ -58,6 +58,11 @@ class Tenancy:
             raise _refusal(verdict, 0, self.retry_after_s)
         request.state.ratelimit_headers = verdict.headers()
 
+    async def attribute(self, key_id: str, identifiers: list[str], deadline: int) -> None:
+        """Count a batch's lines, queued without admission, under the key that made the batch (its
+        tenant counts them anyway), until their deadline and a slot's TTL after it."""
+        await self.admission.attribute(key_id, identifiers, deadline + self.admission.slot_ttl_s)
+
     async def release(self, request: Request, identifiers: list[str]) -> None:
         """Give back what admission reserved for tasks that were never enqueued."""
         if caller_of(request).key is None:

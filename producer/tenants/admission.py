@@ -12,6 +12,10 @@ processes never race between a read and a write):
 - for each task, a reservation record (what settlement gives back, and where) and the task's
   owner (its tenant), read by the task API (producer/gateway/access.py).
 
+Tasks queued outside admission, a batch's lines, get a reservation record that holds nothing
+(`attribute`): only the name of the key's usage counters, so that their usage counts under the
+key that made the batch as well as under its tenant.
+
 Every clock reading is Redis's (TIME), so gateways with skewed clocks agree.
 """
 
@@ -21,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import redis.asyncio
+from redis.typing import EncodableT, FieldT
 
 from producer.tenants.keys import ApiKey
 from producer.tenants.names import (
@@ -135,6 +140,7 @@ class Admission:
     """The gateway's side: one registered script (EVALSHA, loaded again if Redis forgot it)."""
 
     def __init__(self, client: redis.asyncio.Redis, prefix: str, slot_ttl_s: int, owner_ttl_s: int) -> None:
+        self.client = client
         self.prefix = prefix
         self.slot_ttl_s = slot_ttl_s
         self.owner_ttl_s = owner_ttl_s
@@ -155,3 +161,17 @@ class Admission:
         refused, used, reset_requests, left, reset_tokens, retry = await self._admit(keys=keys, args=args)
         return Verdict(key, decoded(refused), int(used),
                        int(reset_requests), int(left), int(reset_tokens), int(retry))
+
+    async def attribute(self, key_id: str, identifiers: list[str], until_unix_s: int) -> None:
+        """Count the usage of tasks queued without admission (a batch's lines) under the key: each
+        gets a reservation record of no tokens and no slot whose `key_usage` settlement reads
+        (settle.py), kept until `until_unix_s`; written before the tasks are queued, and again
+        harmlessly when a task is sent again."""
+        p = self.prefix
+        record: dict[FieldT, EncodableT] = {"reserved": 0, "tpm": 0, "bucket": token_bucket(p, key_id),
+                                              "key_usage": key_usage(p, key_id)}
+        async with self.client.pipeline(transaction=False) as pipe:
+            for identifier in identifiers:
+                pipe.hset(reservation(p, identifier), mapping=record)
+                pipe.expireat(reservation(p, identifier), until_unix_s)
+            await pipe.execute()
