@@ -1,26 +1,24 @@
-"""Files of the Files API: their bytes in a directory (GENQ_GATEWAY_FILES_DIR), their metadata
-(OpenAI's File object and its owner, producer/batches/owners.py) in Redis, and nothing else there.
-Every file is listed in one sorted set, and a tenant's also in the tenant's own (which expires
-with its newest file), so that a key's listing reads only its tenant's files. A file's metadata
-key expires at the file's `expires_at`; a sorted set by expiry lets `sweep` delete the bytes of
-expired files, and a read of an expired file finds nothing. Bytes are written to a temporary name and renamed, so a
-crash never leaves half a file under a file's name. The per-line answers of a running batch live
-in the same directory (`parts/<batch id>/<line>.json`) until the batch's output files are written."""
+"""Files of the Files API: their bytes in a `Blobs` (blobs.py: a directory, GENQ_GATEWAY_FILES_DIR,
+or an S3-compatible bucket, GENQ_GATEWAY_FILES_S3_BUCKET), their metadata (OpenAI's File object and
+its owner, producer/batches/owners.py) in Redis, and nothing else there. Every file is listed in
+one sorted set, and a tenant's also in the tenant's own (which expires with its newest file), so
+that a key's listing reads only its tenant's files. A file's metadata key expires at the file's
+`expires_at`; a sorted set by expiry lets `sweep` delete the bytes of expired files, and a read
+of an expired file finds nothing. The per-line answers of a running batch live in the same
+store (`parts/<batch id>/<line>.json`) until the batch's output files are written."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Literal, cast
 
 import anyio
 import redis.asyncio
 from pydantic import BaseModel
 
+from producer.batches.blobs import Blobs
 from producer.batches.owners import Owner
 
 FILE_ID_PATTERN = r"^file-[A-Za-z0-9_-]{1,80}$"
@@ -49,10 +47,10 @@ class StoredFile(BaseModel):
 
 
 class FileStore:
-    def __init__(self, redis_: redis.asyncio.Redis, key_prefix: str, directory: Path, retention_s: int) -> None:
+    def __init__(self, redis_: redis.asyncio.Redis, key_prefix: str, blobs: Blobs, retention_s: int) -> None:
         self.redis = redis_
         self.prefix = key_prefix
-        self.directory = directory
+        self.blobs = blobs
         self.retention_s = retention_s
 
     def _meta_key(self, file_id: str) -> str:
@@ -66,8 +64,10 @@ class FileStore:
     def _expiry(self) -> str:
         return f"{self.prefix}:files:expiry"
 
-    def path(self, file_id: str) -> Path:
-        return self.directory / f"{file_id}.jsonl"
+    @staticmethod
+    def blob_name(file_id: str) -> str:
+        """Where the file's bytes are in the blobs."""
+        return f"{file_id}.jsonl"
 
     async def create(self, content: bytes, filename: str, purpose: FilePurpose, owner: Owner,
                      file_id: str | None = None) -> FileObject:
@@ -75,7 +75,7 @@ class FileStore:
         now = int(time.time())
         file = FileObject(id=file_id or f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=now,
                           expires_at=now + self.retention_s, filename=filename, purpose=purpose)
-        await anyio.to_thread.run_sync(_write_atomically, self.path(file.id), content)
+        await anyio.to_thread.run_sync(self.blobs.put, self.blob_name(file.id), content)
         stored = StoredFile(owner=owner.tenant, file=file)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self._meta_key(file.id), stored.model_dump_json(), exat=file.expires_at)
@@ -101,10 +101,7 @@ class FileStore:
         """The file's bytes, None if `get` finds no file."""
         if await self.get(file_id, viewer) is None:
             return None
-        try:
-            return await anyio.to_thread.run_sync(self.path(file_id).read_bytes)
-        except FileNotFoundError:
-            return None
+        return await anyio.to_thread.run_sync(self.blobs.get, self.blob_name(file_id))
 
     async def page(self, after: str | None, limit: int, purpose: str | None, viewer: Owner
                    ) -> tuple[list[FileObject], bool]:
@@ -144,7 +141,7 @@ class FileStore:
                 pipe.zrem(listing, file_id)
             pipe.zrem(self._expiry, file_id)
             existed, *_ = await pipe.execute()
-        await anyio.to_thread.run_sync(_unlink, self.path(file_id))
+        await anyio.to_thread.run_sync(self.blobs.delete, self.blob_name(file_id))
         return bool(existed)
 
     async def sweep(self) -> int:
@@ -156,40 +153,24 @@ class FileStore:
 
     # --- a running batch's per-line answers ------------------------------------------------
 
-    def _parts(self, batch_id: str) -> Path:
-        return self.directory / "parts" / batch_id
+    @staticmethod
+    def _parts(batch_id: str) -> str:
+        return f"parts/{batch_id}/"
 
     async def write_part(self, batch_id: str, index: int, kind: Literal["output", "error"],
                          line: dict[str, Any]) -> None:
         data = json.dumps({"kind": kind, "line": line}, separators=(",", ":")).encode()
-        await anyio.to_thread.run_sync(_write_atomically, self._parts(batch_id) / f"{index}.json", data)
+        await anyio.to_thread.run_sync(self.blobs.put, f"{self._parts(batch_id)}{index}.json", data)
 
     async def read_parts(self, batch_id: str, count: int) -> list[tuple[str, dict[str, Any]]]:
         """The answers of lines 0..count-1 that have one, in line order."""
         def read() -> list[tuple[str, dict[str, Any]]]:
-            parts = []
-            for index in range(count):
-                try:
-                    part = json.loads((self._parts(batch_id) / f"{index}.json").read_bytes())
-                except FileNotFoundError:
-                    continue
-                parts.append((part["kind"], part["line"]))
-            return parts
+            folder = self._parts(batch_id)
+            names = {int(stem): name for name in self.blobs.names(folder)
+                     if (stem := name.removeprefix(folder).removesuffix(".json")).isdigit()}
+            found = self.blobs.get_many([names[index] for index in sorted(names) if index < count])
+            return [(part["kind"], part["line"]) for part in map(json.loads, found.values())]
         return await anyio.to_thread.run_sync(read)
 
     async def drop_parts(self, batch_id: str) -> None:
-        await anyio.to_thread.run_sync(lambda: shutil.rmtree(self._parts(batch_id), ignore_errors=True))
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(temporary, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, path)
-
-
-def _unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)
+        await anyio.to_thread.run_sync(self.blobs.delete_folder, self._parts(batch_id))

@@ -1,7 +1,7 @@
 """What the Files and Batches routers share: the file store, the batch records and this
 process's batch driver, built from the gateway's settings and Redis; and who the caller is to
-them (`owner_of`: an API key's tenant, or the admin). Without GENQ_GATEWAY_FILES_DIR both APIs
-answer 503 and no driver runs."""
+them (`owner_of`: an API key's tenant, or the admin). Files live in GENQ_GATEWAY_FILES_DIR or the
+bucket GENQ_GATEWAY_FILES_S3_BUCKET names; with neither both APIs answer 503 and no driver runs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from producer.batches.blobs import Blobs, DirectoryBlobs
 from producer.batches.driver import BatchDriver
 from producer.batches.input_file import InputLimits
 from producer.batches.owners import ADMIN, Owner
@@ -21,6 +22,7 @@ from producer.client import CONNECT_TIMEOUT_S
 from producer.gateway.auth import caller_of
 from producer.gateway.batch_runner import ChatTranslation, GatewayLineRunner
 from producer.gateway.errors import ApiError
+from producer.gateway.settings import GatewaySettings
 from producer.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -44,8 +46,9 @@ class BatchApi:
         self.tenancy = gateway.tenancy
         self.limits = InputLimits(settings.file_max_bytes, settings.batch_max_lines, settings.batch_max_line_bytes)
         self.records = BatchRecords(gateway.client.redis, settings.key_prefix, settings.file_retention_s)
-        self._store = None if settings.files_dir is None else FileStore(
-            gateway.client.redis, settings.key_prefix, settings.files_dir, settings.file_retention_s)
+        blobs = _blobs(settings)
+        self._store = None if blobs is None else FileStore(
+            gateway.client.redis, settings.key_prefix, blobs, settings.file_retention_s)
         self.watchdog: Watchdog | None = None
         self.driver: BatchDriver | None = None
         if self._store is not None:
@@ -56,10 +59,10 @@ class BatchApi:
                                       poll_s=settings.batch_poll_s, lease_s=settings.batch_lease_s)
 
     def ensure_enabled(self) -> None:
-        """503 when this gateway has no files directory."""
+        """503 when this gateway has nowhere to keep files."""
         if self._store is None:
-            raise ApiError(503, "files_unavailable", "the Files and Batches APIs need GENQ_GATEWAY_FILES_DIR, which "
-                                                     "this gateway does not have")
+            raise ApiError(503, "files_unavailable", "the Files and Batches APIs need GENQ_GATEWAY_FILES_DIR or "
+                                                     "GENQ_GATEWAY_FILES_S3_BUCKET, which this gateway does not have")
 
     @property
     def store(self) -> FileStore:
@@ -90,3 +93,13 @@ class BatchApi:
                 await task
             await asyncio.to_thread(watchdog.stop)
             watchdog.client.close()
+
+
+def _blobs(settings: GatewaySettings) -> Blobs | None:
+    """Where files' bytes live: the bucket, the directory, or nowhere (the APIs answer 503)."""
+    if settings.files_s3_bucket is not None:
+        from producer.batches.s3_blobs import connect  # boto3: only where a bucket is configured
+
+        return connect(settings.files_s3_bucket, settings.files_s3_prefix, settings.files_s3_endpoint_url,
+                       settings.files_s3_region)
+    return None if settings.files_dir is None else DirectoryBlobs(settings.files_dir)

@@ -83,7 +83,18 @@ class GatewaySettings(ClientSettings):
                                  description="most hours one `GET /v1/usage` answers (400 past it)")
     files_dir: Path | None = Field(default=None, description="directory the Files API keeps uploads and batch "
                                                              "outputs in (shared by every gateway replica); "
-                                                             "unset: /v1/files and /v1/batches answer 503")
+                                                             "unset, and no GENQ_GATEWAY_FILES_S3_BUCKET: "
+                                                             "/v1/files and /v1/batches answer 503")
+    files_s3_bucket: str | None = Field(default=None, min_length=3, max_length=63,
+                                        description="an S3-compatible bucket the Files API keeps its files in "
+                                                    "instead of GENQ_GATEWAY_FILES_DIR (needs boto3: genq[s3]; "
+                                                    "credentials from boto3's chain: AWS_ACCESS_KEY_ID, ...)")
+    files_s3_prefix: str = Field(default="", max_length=512,
+                                 description="prefix of every object the gateway keeps in the bucket ('genq/' say)")
+    files_s3_endpoint_url: str | None = Field(default=None, description="the S3 API's URL (MinIO, Ceph, R2, ...); "
+                                                                       "unset: AWS's own for the region")
+    files_s3_region: str | None = Field(default=None, description="the bucket's region; unset: boto3's "
+                                                                  "(AWS_REGION, AWS_DEFAULT_REGION, its config)")
     file_retention_s: int = Field(default=30 * 86400, ge=60, description="an uploaded or output file is deleted "
                                                                        "this long after it was made (its expires_at)")
     file_max_bytes: int = Field(default=64 * 2**20, ge=1024, description="largest batch input file; 413 past it")
@@ -143,6 +154,26 @@ class GatewaySettings(ClientSettings):
         """The queues routed to, in the order that decides a name two serve; the first is the
         default (native requests without `model`, GENQ_GATEWAY_MODEL_NAME)."""
         return self.queues or [self.queue]
+
+    @property
+    def files_enabled(self) -> bool:
+        """Whether the Files and Batch APIs have somewhere to keep files."""
+        return self.files_dir is not None or self.files_s3_bucket is not None
+
+    @model_validator(mode="after")
+    def _one_file_store(self) -> GatewaySettings:
+        """Files live in one place; a bucket needs boto3, refused here so that the gateway does not start."""
+        if self.files_s3_bucket is None:
+            return self
+        if self.files_dir is not None:
+            raise ValueError("GENQ_GATEWAY_FILES_DIR and GENQ_GATEWAY_FILES_S3_BUCKET are both set: the Files API "
+                             "keeps its files in one place; unset one")
+        try:
+            import boto3  # noqa: F401
+        except ImportError:
+            raise ValueError("GENQ_GATEWAY_FILES_S3_BUCKET is set but boto3 is not installed: install the s3 extra "
+                             "(pip install 'genq[s3]') or unset GENQ_GATEWAY_FILES_S3_BUCKET") from None
+        return self
 
     @model_validator(mode="after")
     def _some_authentication(self) -> GatewaySettings:
