@@ -101,7 +101,8 @@ def load_generator(settings: Settings, model: str) -> Generator:
         log.warning("SYNTHETIC ENGINE (--synthetic-rate %g): no model runs; requests get word tokens at %g "
                     "tokens/s. A benchmark and test tool, never for serving.", settings.synthetic_rate,
                     settings.synthetic_rate)
-        return SyntheticGenerator.from_model_dir(model, settings.synthetic_rate, settings.engine_config())
+        return SyntheticGenerator.from_model_dir(model, settings.synthetic_rate, settings.engine_config(),
+                                                 step_s=settings.synthetic_step_ms / 1000)
     return Generator.from_pretrained(
         model,
         device=settings.device,

@@ -125,6 +125,10 @@ class Settings(ClientSettings):
         description="BENCHMARK AND TEST TOOL, never for serving: replace the model by the synthetic engine "
                     "(engine/synthetic.py), which streams word tokens at this many tokens/s over its batch, "
                     "reading only the model directory's tokenizer and config; the model card says so")
+    synthetic_step_ms: float = Field(
+        default=0.0, ge=0,
+        description="BENCHMARK AND TEST TOOL, with --synthetic-rate only: every synthetic step lasts this many ms "
+                    "more, whatever its batch (a GPU decode step's floor: its weight reads; bench/celery_gil.py)")
 
     @field_validator("lora")
     @classmethod
@@ -153,6 +157,8 @@ class Settings(ClientSettings):
             given = [name for name, set_ in engine_parts.items() if set_]
             if given:
                 raise ValueError(f"GENQ_SYNTHETIC_RATE: the synthetic engine has no model for {', '.join(given)}")
+        elif self.synthetic_step_ms:
+            raise ValueError("GENQ_SYNTHETIC_STEP_MS: only with GENQ_SYNTHETIC_RATE (the synthetic engine's step)")
         for route in self.prefix_routes_served:
             if route >= self.prefix_routes:
                 raise ValueError(f"GENQ_PREFIX_ROUTE: route {route} needs GENQ_PREFIX_ROUTES above {route} "
