@@ -9,7 +9,9 @@ as a decode step reads the weights) and a rate so high that the batch adds next 
 producer thread in this process sends text prompts (the worker tokenizes them) with a plain Celery
 client at a steady N new requests/s (50, 100, 200, 500), each of T = round(B / (N x 15 ms)) new
 tokens, so the batch stays near B = 64 whatever N; the baseline is the same batch with no intake:
-B requests long enough to outlast the window, sent before it.
+B requests long enough to outlast the window, sent before it. A baseline window runs before the
+first rate and after each one, and each rate is set against the mean of the two around it (their
+spread is the noise of the split on this machine).
 
 Over a window of --seconds (after a warm-up), from the worker's `engine_stats`, which reads the
 loop's steps and busy seconds together with the kernel's schedstat of the loop thread (its CPU time
@@ -22,12 +24,14 @@ and the time it waited on a run queue for a core: worker/thread_times.py), per s
   run queue      time the loop thread was runnable but had no core (the machine's other processes)
   GIL wait       the rest: step - forward - loop CPU - run queue, time the loop thread neither ran
                  nor waited for a core, i.e. waited for the GIL (and the timer's slack on the wait);
-                 on a loaded machine the kernel's split drifts by a millisecond or two a step, so the
-                 baseline runs again at the end to show that noise
+                 on a loaded machine the split of the baseline itself drifts by a millisecond or so
 The requests asked for, sent (this process's Celery client) and taken through the engine per second
 (generated tokens / T over the window) are reported apart: the latter is the intake the loop saw.
 The intake's GIL cost at N is GIL wait(N) - GIL wait(baseline), as a share of the step at N: issue
 30 moves the engine core into a process of its own when that exceeds 5% at the rates a GPU sees.
+Each GIL switch interval of --switch-ms (CPython's 5 ms and 0.5 ms by default) gets a worker of its
+own (GENQ_SWITCH_INTERVAL_MS): the interval bounds how long another thread keeps the GIL once the
+loop asks for it.
 Writes <out>/celery_gil.json and .png (celery_gil_quick.* with --quick) and prints a markdown table.
 Needs redis-server on the PATH.
 """
@@ -79,6 +83,7 @@ QUEUE = "genq-gil"
 TIMEOUT_S = 300.0
 GIL_LIMIT = 0.05
 SENDS_PER_THREAD = 100
+SWITCH_MS = (5, 0.5)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -87,9 +92,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                           epilog="About a minute; run it on a quiet machine.")
     parser.add_argument("--rates", default=None, help="comma-separated new requests/s "
                                                       f"(default {','.join(map(str, RATES))})")
+    parser.add_argument("--switch-ms", default=",".join(map(str, SWITCH_MS)),
+                        help="comma-separated GIL switch intervals, one worker each (GENQ_SWITCH_INTERVAL_MS; default "
+                             f"{','.join(map(str, SWITCH_MS))})")
     parser.add_argument("--step-ms", type=float, default=STEP_MS, help=f"the synthetic step (default {STEP_MS:g})")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
+    args.switch_ms = tuple(float(value) for value in args.switch_ms.split(","))
     args.seconds = QUICK_MEASURE_S if args.quick else MEASURE_S
     args.rates = (QUICK_RATES if args.quick else RATES) if args.rates is None else tuple(
         int(rate) for rate in args.rates.split(","))
@@ -200,65 +209,87 @@ def measure(celery: Celery, sender: Celery, worker: WorkerProcess, rate: int,
             **figures}
 
 
+def measure_worker(switch_ms: float, args: argparse.Namespace, model: Path, server: RedisServer, workdir: Path
+                   ) -> dict[str, Any]:
+    """One worker with this GIL switch interval: a baseline, then each rate followed by a baseline again."""
+    celery = Celery("bench-client", broker=server.url, backend=server.url)
+    sender = Celery("bench-sender", broker=server.url)
+    options = {"synthetic_rate": SYNTHETIC_RATE, "synthetic_step_ms": args.step_ms, "concurrency": WORKER_SLOTS,
+               "max_batch_size": WORKER_SLOTS, "switch_interval_ms": switch_ms}
+    progress(f"a worker with a {switch_ms:g} ms GIL switch interval")
+    with WorkerProcess(model, server.url, QUEUE, f"gil-{switch_ms:g}", workdir / f"worker-{switch_ms:g}.log",
+                       options) as worker:
+        worker.wait_ready(celery)
+        baselines = [measure(celery, sender, worker, 0, args)]
+        windows = []
+        for rate in args.rates:
+            windows.append(measure(celery, sender, worker, rate, args))
+            baselines.append(measure(celery, sender, worker, 0, args))
+    for window, (earlier, later) in zip(windows, zip(baselines, baselines[1:])):
+        reference = (earlier["gil_wait_ms"] + later["gil_wait_ms"]) / 2
+        window["baseline_gil_wait_ms"] = round(reference, 3)
+        window["baseline_spread_ms"] = round(abs(earlier["gil_wait_ms"] - later["gil_wait_ms"]), 3)
+        window["gil_cost_ms"] = round(window["gil_wait_ms"] - reference, 3)
+        window["gil_cost_share"] = round(window["gil_cost_ms"] / window["step_ms"], 4)
+    return {"switch_interval_ms": switch_ms, "windows": windows, "baselines": baselines,
+            "rates_over_limit": [w["new_requests_per_s"] for w in windows if w["gil_cost_share"] > GIL_LIMIT]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     install_sigterm_as_interrupt()
     machine = start_run(1)
     model = ensure_model("tiny")
-    options = {"synthetic_rate": SYNTHETIC_RATE, "synthetic_step_ms": args.step_ms, "concurrency": WORKER_SLOTS,
-               "max_batch_size": WORKER_SLOTS}
     with tempfile.TemporaryDirectory(prefix="genq-gil-") as tmp, \
             RedisServer(Path(tmp), persistence="none") as server:
-        celery = Celery("bench-client", broker=server.url, backend=server.url)
-        sender = Celery("bench-sender", broker=server.url)
-        with WorkerProcess(model, server.url, QUEUE, "gil", Path(tmp) / "worker.log", options) as worker:
-            worker.wait_ready(celery)
-            windows = [measure(celery, sender, worker, rate, args) for rate in (0, *args.rates, 0)]
-    baseline, again = windows[0], windows.pop()
-    for window in windows[1:]:
-        window["gil_cost_ms"] = round(window["gil_wait_ms"] - baseline["gil_wait_ms"], 3)
-        window["gil_cost_share"] = round(window["gil_cost_ms"] / window["step_ms"], 4)
-        window["beyond_forward_cost_share"] = round(
-            (window["beyond_forward_ms"] - baseline["beyond_forward_ms"]) / window["step_ms"], 4)
-    costly = [w["new_requests_per_s"] for w in windows[1:] if w["gil_cost_share"] > GIL_LIMIT]
+        workers = [measure_worker(switch_ms, args, model, server, Path(tmp)) for switch_ms in args.switch_ms]
     return {"benchmark": "celery_gil", "machine": machine, "step_ms": args.step_ms, "synthetic_rate": SYNTHETIC_RATE,
-            "batch": BATCH, "window_s": args.seconds, "gil_limit": GIL_LIMIT, "windows": windows,
-            "baseline_again": again, "rates_over_limit": costly}
+            "batch": BATCH, "window_s": args.seconds, "gil_limit": GIL_LIMIT, "workers": workers}
 
 
 def markdown_table(results: dict[str, Any]) -> str:
     rows = []
-    for w in results["windows"]:
-        cost = "—" if "gil_cost_share" not in w else f"{w['gil_cost_ms']:+.3f} ({w['gil_cost_share']:+.1%})"
-        rows.append([w["new_requests_per_s"] or "none (baseline)", f"{w['sent_per_s']:.0f}",
-                     f"{w['through_engine_per_s']:.0f}", w["tokens_per_request"], f"{w['batch']:.0f}",
-                     f"{w['step_ms']:.3f}", f"{w['forward_ms']:.3f}", f"{w['loop_cpu_ms']:.3f}",
-                     f"{w['run_queue_ms']:.3f}", f"{w['gil_wait_ms']:.3f}", cost])
-    header = ["new requests/s asked", "sent/s", "through the engine/s", "tokens each", "batch", "step ms",
-              "forward ms", "loop CPU ms", "run queue ms",
-              "GIL wait ms", "intake's GIL cost ms (share of step)"]
-    over = results["rates_over_limit"]
-    note = (f"\nIntake's GIL cost above {results['gil_limit']:.0%} of the step at: "
-            f"{', '.join(map(str, over)) + ' requests/s' if over else 'no rate'} "
-            f"({results['step_ms']:g} ms synthetic step; {measured_when(results['machine'])})")
-    again = results["baseline_again"]
-    note += (f"\nThe baseline again at the end: step {again['step_ms']:.3f} ms, loop CPU {again['loop_cpu_ms']:.3f}, "
-             f"run queue {again['run_queue_ms']:.3f}, GIL wait {again['gil_wait_ms']:.3f} ms (the noise of the split)")
-    return "\n".join([*table_lines(header, "rrrrrrrrrrr", rows), note])
+    for worker in results["workers"]:
+        switch = f"{worker['switch_interval_ms']:g}"
+        for w in worker["windows"]:
+            rows.append([switch, w["new_requests_per_s"], f"{w['sent_per_s']:.0f}", f"{w['through_engine_per_s']:.0f}",
+                         w["tokens_per_request"], f"{w['batch']:.0f}", f"{w['step_ms']:.2f}",
+                         f"{w['loop_cpu_ms']:.2f}", f"{w['run_queue_ms']:.2f}", f"{w['gil_wait_ms']:.2f}",
+                         f"{w['baseline_gil_wait_ms']:.2f} ± {w['baseline_spread_ms'] / 2:.2f}",
+                         f"{w['gil_cost_ms']:+.2f} ({w['gil_cost_share']:+.1%})"])
+        b = worker["baselines"]
+        rows.append([switch, "none", "0", "0", b[0]["tokens_per_request"], f"{b[0]['batch']:.0f}",
+                     *(f"{min(x[key] for x in b):.2f}–{max(x[key] for x in b):.2f}"
+                       for key in ("step_ms", "loop_cpu_ms", "run_queue_ms", "gil_wait_ms")), "", ""])
+    header = ["GIL switch ms", "new requests/s asked", "sent/s", "through the engine/s", "tokens each", "batch",
+              "step ms", "loop CPU ms", "run queue ms", "GIL wait ms", "no intake, before and after: GIL wait ms",
+              "intake's GIL cost ms (share of step)"]
+    notes = [f"\nforward {results['step_ms']:g} ms a step (synthetic), {results['window_s']:g} s windows; "
+             f"{measured_when(results['machine'])}"]
+    for worker in results["workers"]:
+        over = worker["rates_over_limit"]
+        notes.append(f"switch interval {worker['switch_interval_ms']:g} ms: intake's GIL cost above "
+                     f"{results['gil_limit']:.0%} of the step at {', '.join(map(str, over)) or 'no rate'}"
+                     f"{' requests/s' if over else ''}")
+    return "\n".join([*table_lines(header, "rrrrrrrrrrrr", rows), *notes])
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    windows = results["windows"]
-    labels = [str(w["new_requests_per_s"] or "none") for w in windows]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bottom = [0.0] * len(windows)
-    for key, label in (("loop_cpu_ms", "loop CPU"), ("run_queue_ms", "run queue (no core)"),
-                       ("gil_wait_ms", "GIL wait")):
-        values = [w[key] for w in windows]
-        ax.bar(labels, values, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set(xlabel="new requests/s through Celery", ylabel="ms per step beyond the forward",
-           title=f"engine loop step beyond a {results['step_ms']:g} ms synthetic forward, batch ~{results['batch']}")
-    ax.legend()
+    workers = results["workers"]
+    fig, axes = plt.subplots(1, len(workers), figsize=(7 * len(workers), 4.5), sharey=True, squeeze=False)
+    for ax, worker in zip(axes[0], workers):
+        windows = [worker["baselines"][0], *worker["windows"]]
+        labels = [str(w["new_requests_per_s"] or "none") for w in windows]
+        bottom = [0.0] * len(windows)
+        for key, label in (("loop_cpu_ms", "loop CPU"), ("run_queue_ms", "run queue (no core)"),
+                           ("gil_wait_ms", "GIL wait")):
+            values = [w[key] for w in windows]
+            ax.bar(labels, values, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set(xlabel="new requests/s through Celery", ylabel="ms per step beyond the forward",
+               title=f"GIL switch interval {worker['switch_interval_ms']:g} ms")
+        ax.legend()
+    fig.suptitle(f"engine loop step beyond a {results['step_ms']:g} ms synthetic forward, batch ~{results['batch']}")
     save_figure(fig, path)
 
 

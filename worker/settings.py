@@ -45,6 +45,12 @@ class Settings(ClientSettings):
         default=0, ge=0, le=MAX_COALESCE_TOKENS,
         description="also publish a sample's merged chunks once this many tokens wait (0: no token trigger), for "
                     "requests that do not set stream.coalesce_tokens")
+    switch_interval_ms: float = Field(
+        default=5.0, gt=0, le=100,
+        description="CPython's GIL switch interval in the worker (sys.setswitchinterval; CPython's default 5): how "
+                    "long one of Celery's or the publishing threads may keep the GIL while the engine loop, its "
+                    "forward over, waits for it. Smaller lets the loop in sooner for more switches "
+                    "(bench/celery_gil.py)")
 
     model: str | None = Field(default=None, description="HF model directory or .gguf file the worker serves")
     mmproj: str | None = Field(default=None, description="llama.cpp mmproj .gguf file with the vision tower and "
