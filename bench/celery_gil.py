@@ -6,7 +6,7 @@ publishing threads) take it, and when the forward ends the loop may have to wait
 benchmark runs one real `genq worker` with the synthetic engine (engine/synthetic.py) at a GPU-like
 step: `--synthetic-step-ms 15` (every step waits 15 ms with the GIL released, whatever its batch,
 as a decode step reads the weights) and a rate so high that the batch adds next to nothing. A
-producer thread in this process sends text prompts (the worker tokenizes them) with a plain Celery
+producer in this process sends text prompts (the worker tokenizes them) with a broker-only Celery
 client at a steady N new requests/s (50, 100, 200, 500), each of T = round(B / (N x 15 ms)) new
 tokens, so the batch stays near B = 64 whatever N; the baseline is the same batch with no intake:
 B requests long enough to outlast the window, sent before it. A baseline window runs before the
@@ -125,6 +125,7 @@ class Producer:
         self.interval = count / rate
         self.sent = 0
         self._ids = itertools.count()
+        self._counting = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, name=f"producer-{name}-{i}", daemon=True)
                          for i in range(count)]
@@ -145,7 +146,8 @@ class Producer:
             self.celery.send_task(TASK_NAME, queue=QUEUE, kwargs={
                 "prompt": PROMPT, "max_new_tokens": self.tokens, "ignore_eos": True, "sampling": {"temperature": 0},
                 "identifier": f"{self.name}-{next(self._ids)}"})
-            self.sent += 1
+            with self._counting:
+                self.sent += 1
             due = max(due + self.interval, time.monotonic())
             self._stop.wait(due - time.monotonic())
 
