@@ -10,7 +10,7 @@ a GPU, on this machine's cores.
 For each synthetic rate R (2,000, 5,000, 10,000, 20,000, 50,000 tokens/s; 2,000 and 20,000 with
 --quick) one run starts a real `genq worker --synthetic-rate R --concurrency C --max-batch-size C`
 (C = 64) on a private redis-server (no persistence), warms it with C short requests, then sends
-enough requests of NEW_TOKENS tokens for about MEASURE_S seconds at R (at least 2 C of them) at
+enough requests of NEW_TOKENS (--new-tokens) tokens for about MEASURE_S seconds at R (at least 2 C of them) at
 once with a plain Celery client (send_task, token ids in the chunk events); one pub/sub
 connection follows every request's channel (bench/service_runners.py, as service_overhead.py).
 
@@ -85,7 +85,7 @@ TARGET_RATIO = 0.95
 QUEUE = "genq-ceiling"
 TIMEOUT_S = 600.0
 CLOCK_TICKS = 100  # os.sysconf("SC_CLK_TCK") on Linux
-TOP_COMMANDS = 6
+TOP_COMMANDS = 20
 SSE_STREAMS = 100
 SSE_RATE = 10000
 
@@ -104,6 +104,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coalesce-ms", type=int, default=0,
                         help="the workers' chunk coalescing interval (GENQ_STREAM_COALESCE_MS; default 0: a chunk "
                              "per step)")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                        help=f"new tokens per request of the worker runs (default {NEW_TOKENS}): longer requests "
+                             "spread each request's fixed commands and CPU (Celery's) over more tokens")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     if args.rates is None:
@@ -153,12 +156,12 @@ def usage(before: dict[str, Any], after: dict[str, Any], tokens: int, wall_s: fl
     }
 
 
-def engine_alone(rate: int, concurrency: int, count: int, model: Path) -> dict[str, Any]:
+def engine_alone(rate: int, concurrency: int, count: int, new_tokens: int, model: Path) -> dict[str, Any]:
     """The same requests through the synthetic engine in this process, all enqueued at once, `concurrency`
     at a time: the engine's own rate, its host work (the output processor's text) included."""
     generator = SyntheticGenerator.from_model_dir(model, rate, EngineConfig().with_options(
         max_batch_size=concurrency, max_pending=count))
-    generator.enqueue([Job(PROMPT, NEW_TOKENS, stop_conditions=[], identifier=i) for i in range(count)])
+    generator.enqueue([Job(PROMPT, new_tokens, stop_conditions=[], identifier=i) for i in range(count)])
     start = time.perf_counter()
     while generator.num_remaining_jobs():
         generator.iterate()
@@ -175,16 +178,16 @@ def measure_rate(rate: int, args: argparse.Namespace, model: Path, server: Redis
     options = {"synthetic_rate": rate, "concurrency": args.concurrency, "max_batch_size": args.concurrency,
                "stream_coalesce_ms": args.coalesce_ms}
     seconds = QUICK_MEASURE_S if args.quick else MEASURE_S
-    count = max(2 * args.concurrency, round(rate * seconds / NEW_TOKENS))
-    engine = engine_alone(rate, args.concurrency, count, model)
+    count = max(2 * args.concurrency, round(rate * seconds / args.new_tokens))
+    engine = engine_alone(rate, args.concurrency, count, args.new_tokens, model)
     progress(f"rate {rate}: the engine alone makes {engine['tok_s']:.0f} tokens/s")
     with WorkerProcess(model, server.url, QUEUE, f"ceiling-{rate}", workdir / f"worker-{rate}.log", options) as worker:
         worker.wait_ready(celery)
         assert worker.pid is not None
         run_service(celery, client, [Request(PROMPT, 8)] * args.concurrency, QUEUE, f"warm-{rate}", TIMEOUT_S)
-        progress(f"rate {rate}: {count} requests of {NEW_TOKENS} tokens")
+        progress(f"rate {rate}: {count} requests of {args.new_tokens} tokens")
         before = snapshot(worker.pid, client)
-        trace, results = run_service(celery, client, [Request(PROMPT, NEW_TOKENS)] * count, QUEUE, f"run-{rate}",
+        trace, results = run_service(celery, client, [Request(PROMPT, args.new_tokens)] * count, QUEUE, f"run-{rate}",
                                      TIMEOUT_S)
         after = snapshot(worker.pid, client)
     tokens = sum(len(ids) for ids in trace.tokens)
@@ -193,7 +196,7 @@ def measure_rate(rate: int, args: argparse.Namespace, model: Path, server: Redis
     service = tokens / wall_s
     progress(f"rate {rate}: {service:.0f} tokens/s at the client, x{service / engine['tok_s']:.3f} of the engine's")
     return {
-        "synthetic_rate": rate, "requests": count, "new_tokens": NEW_TOKENS, "tokens": tokens, "engine": engine,
+        "synthetic_rate": rate, "requests": count, "new_tokens": args.new_tokens, "tokens": tokens, "engine": engine,
         "wall_s": round(wall_s, 3), "service_tok_s": round(service, 1),
         "service_over_engine": round(service / engine["tok_s"], 4), "service_over_rate": round(service / rate, 4),
         "streams_match_results": trace.texts == texts, "texts_alike": len(set(texts)) == 1,
@@ -247,7 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "service_ceiling", "machine": machine, "redis_version": redis_version,
         "model": "llama tiny preset (its tokenizer and config only: genq_dev/tiny_model.py)",
-        "concurrency": args.concurrency, "coalesce_ms": args.coalesce_ms, "target_ratio": TARGET_RATIO,
+        "concurrency": args.concurrency, "coalesce_ms": args.coalesce_ms, "new_tokens": args.new_tokens,
+        "target_ratio": TARGET_RATIO,
         "runs": runs, "gateway": sse,
         "highest_sustained_rate": max(sustained) if sustained else None,
     }

@@ -44,6 +44,7 @@ class GeneratorStats:
     constraint_masks: int = 0
     constraint_mask_s: float = 0.0  # computing constraint masks, on the mask thread
     constraint_mask_wait_s: float = 0.0  # of which the sampler waited for (on the step's critical path)
+    forward_wait_s: float = 0.0  # the synthetic engine's paced waits, its forward (engine/synthetic.py); 0 otherwise
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -12,7 +12,8 @@ What is real: the model directory's tokenizer and config (no weights are read), 
 the one the real engine would make for these tokens. What is not: each step gives every running job
 one token, the next word of a fixed cycle of the vocabulary's ordinary word tokens (a job's k-th
 token is word k mod the cycle's length, so every job writes the same text), and the step lasts jobs / rate
-seconds, waited with the GIL released as a GPU forward is; prompts cost nothing and KV pages are not
+seconds, plus a fixed floor when one is set (`step_s`: a GPU decode step's weight reads, which every step
+pays whatever its batch), waited with the GIL released as a GPU forward is; prompts cost nothing and KV pages are not
 modelled. Requests the synthetic engine cannot honour (constraints, logprobs, banned strings, token
 healing, images, LoRA adapters) are refused at enqueue, naming the field.
 """
@@ -72,11 +73,14 @@ class SyntheticGenerator(Generator):
     scheduler, none of which run here, and this class sets every attribute the worker reads."""
 
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, rate: float,
-                 config: EngineConfig | None = None, wait: Callable[[float], None] = time.sleep) -> None:
+                 config: EngineConfig | None = None, wait: Callable[[float], None] = time.sleep,
+                 step_s: float = 0.0) -> None:
         if rate <= 0:
             raise ValueError(f"synthetic rate: {rate} tokens/s must be above 0")
+        if step_s < 0:
+            raise ValueError(f"synthetic step floor: {step_s} s must not be negative")
         self.config = config = config or EngineConfig()
-        self.rate, self.wait = rate, wait
+        self.rate, self.wait, self.step_s = rate, wait, step_s
         self.tokenizer = tokenizer
         with torch.device("meta"):  # the config's model, with no memory: what the card and the tasks read
             self.model = CausalLM(model_config)
@@ -95,7 +99,7 @@ class SyntheticGenerator(Generator):
         self.overlap = False
         self.adapters = AdapterRegistry(model_config, torch.float32, self.device)
         self.words = word_tokens(tokenizer, model_config.vocab_size)
-        self.forward_s = 0.0  # the paced waits so far: the engine's own time
+        self.forward_s = 0.0  # the paced waits asked for so far: the engine's own time
         self._next_serial = 0
         self._sequences: dict[int, Sequence] = {}
         self._waiting: deque[Sequence] = deque()
@@ -103,12 +107,13 @@ class SyntheticGenerator(Generator):
         self._undelivered: list[EngineOutput] = []
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, rate: float, config: EngineConfig | None = None) -> SyntheticGenerator:
+    def from_model_dir(cls, path: str | Path, rate: float, config: EngineConfig | None = None, step_s: float = 0.0
+                       ) -> SyntheticGenerator:
         """The tokenizer and config of an HF model directory (its weights are never read)."""
         if not Path(path).is_dir():
             raise ValueError(f"synthetic engine: {path} is not an HF model directory (its tokenizer and "
                              "config.json are what it reads)")
-        return cls(Tokenizer.from_pretrained(path), ModelConfig.from_dir(path), rate, config)
+        return cls(Tokenizer.from_pretrained(path), ModelConfig.from_dir(path), rate, config, step_s=step_s)
 
     # -- the job API -----------------------------------------------------------------
 
@@ -162,12 +167,12 @@ class SyntheticGenerator(Generator):
             pages_used=0, pages_free=pool.num_pages, pages_cached=0, page_size=self.page_size,
             steps=self.counters.steps, generated_tokens=self.counters.generated_tokens,
             computed_prompt_tokens=self.counters.computed_prompt_tokens, cached_prompt_tokens=0, preemptions=0,
-            drafted_tokens=0, accepted_draft_tokens=0)
+            drafted_tokens=0, accepted_draft_tokens=0, forward_wait_s=self.forward_s)
 
     # -- the step --------------------------------------------------------------------
 
     def iterate(self) -> list[EngineOutput]:
-        """Start waiting jobs up to max_batch_size, wait jobs / rate seconds, then give every
+        """Start waiting jobs up to max_batch_size, wait step_s + jobs / rate seconds, then give every
         running job its next word token; the results, as the real engine's."""
         results, self._undelivered = self._undelivered, []
         now = time.monotonic()
@@ -179,7 +184,7 @@ class SyntheticGenerator(Generator):
             results.append(self.outputs.output(sequence, Stage.STARTED))
         if not self._running:
             return results
-        duration = len(self._running) / self.rate
+        duration = self.step_s + len(self._running) / self.rate
         self.wait(duration)
         self.forward_s += duration
         self.counters.steps += 1

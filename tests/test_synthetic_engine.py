@@ -21,11 +21,11 @@ def model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory("llama")
 
 
-def synthetic(model_dir: Path, rate: float, waits: list[float] | None = None, **options: object
-              ) -> SyntheticGenerator:
+def synthetic(model_dir: Path, rate: float, waits: list[float] | None = None, step_s: float = 0.0,
+              **options: object) -> SyntheticGenerator:
     wait = waits.append if waits is not None else time.sleep
     return SyntheticGenerator(Tokenizer.from_pretrained(model_dir), ModelConfig.from_dir(model_dir), rate,
-                              EngineConfig().with_options(**options), wait=wait)
+                              EngineConfig().with_options(**options), wait=wait, step_s=step_s)
 
 
 def run(generator: SyntheticGenerator) -> dict[str, list]:
@@ -55,6 +55,17 @@ def test_the_batch_width_bounds_a_step(model_dir: Path):
     run(generator)
     # two jobs run 3 steps, then the third runs 3 alone
     assert waits == pytest.approx([0.004] * 3 + [0.002] * 3)
+
+
+def test_a_step_floor_adds_to_every_step_whatever_its_batch(model_dir: Path):
+    waits: list[float] = []
+    generator = synthetic(model_dir, 1000, waits, step_s=0.015)
+    generator.enqueue([Job([1], 2, identifier="a"), Job([2], 1, identifier="b")])
+    run(generator)
+    assert waits == pytest.approx([0.017, 0.016])
+    assert generator.stats.forward_wait_s == pytest.approx(0.033)
+    with pytest.raises(ValueError, match="step floor"):
+        synthetic(model_dir, 1000, step_s=-1)
 
 
 def test_a_real_wait_never_runs_faster_than_the_rate(model_dir: Path):

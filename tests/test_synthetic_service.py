@@ -78,3 +78,5 @@ def test_the_option_refuses_what_needs_a_model():
         Settings(model="m", synthetic_rate=1000, lora=["a=/x"], draft_model="/d")
     with pytest.raises(ValidationError, match="synthetic_rate"):
         Settings(model="m", synthetic_rate=0)
+    with pytest.raises(ValidationError, match="GENQ_SYNTHETIC_STEP_MS: only with GENQ_SYNTHETIC_RATE"):
+        Settings(model="m", synthetic_step_ms=15)

@@ -42,6 +42,7 @@ from worker.events import Outcome, RequestEvents, StoredResult, sample_of
 from worker.pacing import PACER, dumps_paced
 from worker.publisher import Publisher, PublishingThread
 from worker.thread_names import name_this_thread
+from worker.thread_times import thread_times
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class EngineLoop:
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._token_texts: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, name=LOOP_THREAD_NAME, daemon=True)
+        self._native_id: int | None = None
 
     # -- called from other threads -------------------------------------------
 
@@ -230,8 +232,19 @@ class EngineLoop:
             "lora_adapters": len(self.generator.adapters),
             "lora_resident": len(self.generator.adapters.resident()),
             "lora_evictions": self.generator.adapters.evictions,
+            "forward_wait_s": round(engine.forward_wait_s, 6),
             **asdict(self.counters),
+            **self._thread_times(),
         }
+
+    def _thread_times(self) -> dict[str, float]:
+        """The loop thread's CPU and run-queue seconds so far and the monotonic clock, read with the
+        counters: two readings split the steps between them into the loop's work, its wait for a core
+        and the rest (bench/celery_gil.py)."""
+        times = thread_times(self._native_id)
+        return {} if times is None else {"loop_cpu_s": round(times.cpu_s, 6),
+                                          "loop_run_queue_s": round(times.run_queue_s, 6),
+                                          "loop_clock_s": round(time.monotonic(), 6)}
 
     def _tokens_per_second(self) -> float:
         """Generated tokens/s over the last window: tokens after the oldest
@@ -246,6 +259,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         name_this_thread()
+        self._native_id = threading.get_native_id()
         while True:
             with self._cond:
                 while not (self._inbox or self._cancels or self._active or self._adapter_changes

@@ -91,9 +91,12 @@ class Publisher:
                       maxlen=max(self.stream_maxlen, event.seq + 1), approximate=True)
             # The expiry is (re)set when a stream begins and ends and every EXPIRY_REFRESH_EVENTS
             # events in between (not per chunk: it is a third of the commands). The attempt counter
-            # lives as long as its stream, so a reused identifier's IDs always grow.
-            if event.event == "started" or event.is_terminal or event.seq % EXPIRY_REFRESH_EVENTS == 0:
+            # lives as long as its stream, so a reused identifier's IDs always grow: begin_attempt
+            # set its expiry as the attempt began, so the first event leaves it be.
+            refresh = event.seq % EXPIRY_REFRESH_EVENTS == 0
+            if event.event == "started" or event.is_terminal or refresh:
                 pipe.expire(key, self.stream_ttl_s)
+            if event.is_terminal or (refresh and event.seq > 0):
                 pipe.expire(attempt_key(event.id, self.key_prefix), self.stream_ttl_s)
             if event.is_terminal:
                 settlement = _settlement(event, (tenants or {}).get(event.id))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ class Runtime:
         # What is alive now (model, Celery, imports) lives as long as the process: the collector's
         # full passes, which stop every thread (the engine loop too), need not walk it again.
         gc.freeze()
+        # How long another thread may keep the GIL once the loop's forward is over (bench/celery_gil.py).
+        sys.setswitchinterval(settings.switch_interval_ms / 1000)
         loop = EngineLoop(generator, publisher, on_finished=metrics.observe if metrics else None,
                           coalescing=Coalescing.of(settings.stream_coalesce_ms, settings.stream_coalesce_tokens))
         loop.start()
@@ -101,7 +104,8 @@ def load_generator(settings: Settings, model: str) -> Generator:
         log.warning("SYNTHETIC ENGINE (--synthetic-rate %g): no model runs; requests get word tokens at %g "
                     "tokens/s. A benchmark and test tool, never for serving.", settings.synthetic_rate,
                     settings.synthetic_rate)
-        return SyntheticGenerator.from_model_dir(model, settings.synthetic_rate, settings.engine_config())
+        return SyntheticGenerator.from_model_dir(model, settings.synthetic_rate, settings.engine_config(),
+                                                 step_s=settings.synthetic_step_ms / 1000)
     return Generator.from_pretrained(
         model,
         device=settings.device,

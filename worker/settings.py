@@ -45,6 +45,12 @@ class Settings(ClientSettings):
         default=0, ge=0, le=MAX_COALESCE_TOKENS,
         description="also publish a sample's merged chunks once this many tokens wait (0: no token trigger), for "
                     "requests that do not set stream.coalesce_tokens")
+    switch_interval_ms: float = Field(
+        default=5.0, gt=0, le=100,
+        description="CPython's GIL switch interval in the worker (sys.setswitchinterval; CPython's default 5): how "
+                    "long one of Celery's or the publishing threads may keep the GIL while the engine loop, its "
+                    "forward over, waits for it. Smaller lets the loop in sooner for more switches "
+                    "(bench/celery_gil.py)")
 
     model: str | None = Field(default=None, description="HF model directory or .gguf file the worker serves")
     mmproj: str | None = Field(default=None, description="llama.cpp mmproj .gguf file with the vision tower and "
@@ -125,6 +131,10 @@ class Settings(ClientSettings):
         description="BENCHMARK AND TEST TOOL, never for serving: replace the model by the synthetic engine "
                     "(engine/synthetic.py), which streams word tokens at this many tokens/s over its batch, "
                     "reading only the model directory's tokenizer and config; the model card says so")
+    synthetic_step_ms: float = Field(
+        default=0.0, ge=0,
+        description="BENCHMARK AND TEST TOOL, with --synthetic-rate only: every synthetic step lasts this many ms "
+                    "more, whatever its batch (a GPU decode step's floor: its weight reads; bench/celery_gil.py)")
 
     @field_validator("lora")
     @classmethod
@@ -153,6 +163,8 @@ class Settings(ClientSettings):
             given = [name for name, set_ in engine_parts.items() if set_]
             if given:
                 raise ValueError(f"GENQ_SYNTHETIC_RATE: the synthetic engine has no model for {', '.join(given)}")
+        elif self.synthetic_step_ms:
+            raise ValueError("GENQ_SYNTHETIC_STEP_MS: only with GENQ_SYNTHETIC_RATE (the synthetic engine's step)")
         for route in self.prefix_routes_served:
             if route >= self.prefix_routes:
                 raise ValueError(f"GENQ_PREFIX_ROUTE: route {route} needs GENQ_PREFIX_ROUTES above {route} "
