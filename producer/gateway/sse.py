@@ -137,6 +137,8 @@ class Lookahead(Generic[T]):
     async def next(self, timeout_s: float | None) -> T | Idle:
         """The next item, or IDLE when none arrived within `timeout_s` (None: wait for it); raises
         StopAsyncIteration at the end, and what `items` raised."""
+        if self._pending is None and timeout_s is None:
+            return await anext(self._items)  # nothing to keep across a timeout: read in this task
         if self._pending is None:
             self._scope = anyio.CancelScope()
             self._pending = asyncio.ensure_future(_read_next(self._items, self._scope))
@@ -176,9 +178,24 @@ async def with_keepalive(items: AsyncGenerator[T, None], interval_s: float) -> A
         await reader.aclose()
 
 
-async def merged(sources: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+async def _numbered(source: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
+    try:
+        async for item in source:
+            yield 0, item
+    finally:
+        with anyio.CancelScope(shield=True):  # as in Lookahead.aclose
+            await source.aclose()
+
+
+def merged(sources: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """The items of all `sources` as they come, each with its source's position; ends when they
-    all have. Each read is cancelled as with_keepalive's is. Closing this closes every source."""
+    all have. Each read is cancelled as with_keepalive's is. Closing this closes every source. One
+    source is read in the reader's task: no read of its own per item (a task and a wait per token
+    of the usual one-prompt stream)."""
+    return _numbered(sources[0]) if len(sources) == 1 else _merged(sources)
+
+
+async def _merged(sources: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     scopes: dict[int, anyio.CancelScope] = {}
     pending: dict[asyncio.Future[T], int] = {}
 
