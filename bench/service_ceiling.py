@@ -97,6 +97,9 @@ SSE_STREAMS = (100, 1000)
 SSE_RATE = 10000
 SSE_COALESCE_MS = 20
 SSE_CLIENTS = 2
+LATENCY_REQUESTS = 10
+LATENCY_TOKENS = 512
+"""The latency runs: one stream at a time, long enough to span several coalescing intervals."""
 SSE_MODES = ("off", "gateway", "request")
 """Coalescing off; the gateway's alone (GENQ_GATEWAY_STREAM_COALESCE_MS); the request's
 stream_options.coalesce_ms (the worker's and the gateway's)."""
@@ -256,6 +259,25 @@ def measure_sse_run(streams: int, mode: str, args: argparse.Namespace, worker_pi
             **usage(before, after, tokens, done["wall_s"])}
 
 
+def measure_sse_latency(mode: str, args: argparse.Namespace, gateways: dict[int, tuple[int, str]]
+                        ) -> dict[str, Any]:
+    """The latency cost alone: LATENCY_REQUESTS streams one after the other, so that nothing but the
+    coalescing sets when a chunk goes out."""
+    gateway_ms = args.sse_coalesce_ms if mode == "gateway" else 0
+    request_ms = args.sse_coalesce_ms if mode == "request" else None
+    jobs = client_jobs(gateways[gateway_ms][1], 1, LATENCY_REQUESTS, LATENCY_TOKENS, 1, request_ms)
+    _, reports, _ = run_clients(jobs, lambda: None)
+    done = combined(reports, LATENCY_TOKENS)
+    progress(f"gateway: one stream at a time, coalescing {mode}: first text "
+             f"{percentiles_ms(done['first_text_s'])['p50']} ms, chunks "
+             f"{percentiles_ms(done['intervals_s'])['p50']} ms apart (p50)")
+    return {"mode": mode, "requests": LATENCY_REQUESTS, "new_tokens": LATENCY_TOKENS,
+            "completed": done["completed"], "texts_alike": done["texts_alike"],
+            "tokens_per_text_chunk": round(done["tokens"] / max(done["text_chunks"], 1), 2),
+            "first_text_ms": percentiles_ms(done["first_text_s"]),
+            "text_chunk_interval_ms": percentiles_ms(done["intervals_s"])}
+
+
 def measure_sse(args: argparse.Namespace, model: Path, server: RedisServer, workdir: Path) -> dict[str, Any]:
     """Every gateway run, on one worker and two gateways (coalescing off, and at --sse-coalesce-ms)."""
     celery = Celery("bench-client", broker=server.url, backend=server.url)
@@ -274,13 +296,14 @@ def measure_sse(args: argparse.Namespace, model: Path, server: RedisServer, work
         with WorkerProcess(model, server.url, QUEUE, "ceiling-sse", workdir / "worker-sse.log", options) as worker:
             worker.wait_ready(celery)
             assert worker.pid is not None
+            latency = [measure_sse_latency(mode, args, gateways) for mode in SSE_MODES]
             runs = [measure_sse_run(streams, mode, args, worker.pid, gateways, client)
                     for streams in args.streams for mode in SSE_MODES]
     finally:
         for process in processes:
             process.stop()
     return {"synthetic_rate": rate, "coalesce_ms": args.sse_coalesce_ms, "worker_coalesce_ms": args.coalesce_ms,
-            "runs": runs}
+            "latency": latency, "runs": runs}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -348,7 +371,15 @@ def sse_table_lines(sse: dict[str, Any], open_files: dict[str, int]) -> list[str
     note = (f"\nSynthetic rate {sse['synthetic_rate']:,} tokens/s, one worker, as many completions as streams, of "
             f"{NEW_TOKENS} tokens per run, the client in {sse['runs'][0]['client_processes']} processes; "
             f"RLIMIT_NOFILE {open_files['soft']:,}.")
-    return [*table_lines(header, "rlrrrrrrrrrrr", rows), note]
+    latency_rows = [[SSE_MODE_LABELS[r["mode"]].format(ms=sse["coalesce_ms"]), f"{r['tokens_per_text_chunk']:.1f}",
+                     " / ".join(f"{r['first_text_ms'][q]:.1f}" for q in ("p50", "p99")),
+                     " / ".join(f"{r['text_chunk_interval_ms'][q]:.1f}" for q in ("p50", "p90", "p99"))]
+                    for r in sse["latency"]]
+    latency_note = (f"\nOne stream at a time: {LATENCY_REQUESTS} completions of {LATENCY_TOKENS} tokens per "
+                    "setting, time from sending the request to each chunk with text.")
+    return [*table_lines(header, "rlrrrrrrrrrrr", rows), note, "",
+            *table_lines(["coalescing", "tokens per SSE chunk", "first text ms p50 / p99",
+                          "text chunk interval ms p50 / p90 / p99"], "lrrr", latency_rows), latency_note]
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
