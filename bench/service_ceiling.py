@@ -32,11 +32,17 @@ The highest rate whose service/engine is at least 0.95 is the headline.
 Correctness: every request's streamed chunks concatenate to its result's text, and every text is
 the same (the synthetic engine writes the same word cycle for every request).
 
-Through the gateway (--streams N, default 100; 0 skips it): a real `genq gateway` in front of a
-worker at --sse-rate (default 10,000) with --concurrency N, and N OpenAI streamed completions
-(POST /v1/completions, stream, include_usage) open at once from one httpx.AsyncClient in this
-process, 2 N of them in all (bench/ceiling_sse.py); the same figures, the gateway's CPU
-(/proc/PID/stat) added, tokens counted from each stream's usage chunk. Writes <out>/service_ceiling.json and .png
+Through the gateway (--streams, default 100,1000; 0 skips it): one worker at --sse-rate (default
+10,000) with --concurrency the largest stream count, and two real `genq gateway`s in front of it,
+one with SSE coalescing off and one at --sse-coalesce-ms (default 20; GENQ_GATEWAY_STREAM_COALESCE_MS).
+For each stream count N, three runs back to back: coalescing off; the gateway's coalescing alone
+(the worker publishes every step); the request's stream_options.coalesce_ms (the worker and the
+gateway both). Each run sends N OpenAI streamed completions (POST /v1/completions, stream,
+include_usage), N open at once, from --sse-clients client processes (bench/sse_client.py, each
+after a warm-up round; bench/ceiling_sse.py says which limits 1,000 streams need raised); the same
+figures, the gateway's CPU (/proc/PID/stat) added and the client processes' own, tokens counted
+from each stream's usage chunk, plus the latency cost: time to each stream's first text and the
+interval between its text chunks. Writes <out>/service_ceiling.json and .png
 (service_ceiling_quick.* with --quick) and prints a markdown table. Needs redis-server on the PATH.
 """
 
@@ -60,12 +66,13 @@ from bench_common import (  # noqa: E402
     bench_parser,
     ensure_model,
     measured_when,
+    percentiles_ms,
     progress,
     save_figure,
     start_run,
     table_lines,
 )
-from ceiling_sse import run_streams, start_gateway  # noqa: E402
+from ceiling_sse import client_jobs, combined, raise_open_files_limit, run_clients, start_gateway  # noqa: E402
 from celery import Celery  # noqa: E402
 from service_runners import install_sigterm_as_interrupt, run_service  # noqa: E402
 from throughput_runners import Request  # noqa: E402
@@ -86,8 +93,16 @@ QUEUE = "genq-ceiling"
 TIMEOUT_S = 600.0
 CLOCK_TICKS = 100  # os.sysconf("SC_CLK_TCK") on Linux
 TOP_COMMANDS = 20
-SSE_STREAMS = 100
+SSE_STREAMS = (100, 1000)
 SSE_RATE = 10000
+SSE_COALESCE_MS = 20
+SSE_CLIENTS = 2
+LATENCY_REQUESTS = 10
+LATENCY_TOKENS = 512
+"""The latency runs: one stream at a time, long enough to span several coalescing intervals."""
+SSE_MODES = ("off", "gateway", "request")
+"""Coalescing off; the gateway's alone (GENQ_GATEWAY_STREAM_COALESCE_MS); the request's
+stream_options.coalesce_ms (the worker's and the gateway's)."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -95,10 +110,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                          f"{QUICK_MEASURE_S:g} s each; writes service_ceiling_quick.{{json,png}}",
                           epilog="About a minute per rate (worker start included); run it on a quiet machine.")
     parser.add_argument("--rates", default=None, help="comma-separated synthetic rates in tokens/s "
-                                                      f"(default {','.join(map(str, RATES))})")
+                                                      f"(default {','.join(map(str, RATES))}; none: the gateway "
+                                                      "runs only)")
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests in flight (the batch)")
-    parser.add_argument("--streams", type=int, default=SSE_STREAMS,
-                        help=f"concurrent SSE streams through the gateway (default {SSE_STREAMS}; 0 skips it)")
+    parser.add_argument("--streams", default=",".join(map(str, SSE_STREAMS)),
+                        help="comma-separated counts of concurrent SSE streams through the gateway (default "
+                             f"{','.join(map(str, SSE_STREAMS))}; 0 skips it)")
+    parser.add_argument("--sse-coalesce-ms", type=int, default=SSE_COALESCE_MS,
+                        help=f"the gateway runs' coalescing interval when on (default {SSE_COALESCE_MS})")
+    parser.add_argument("--sse-clients", type=int, default=SSE_CLIENTS,
+                        help=f"client processes the gateway runs' streams are shared over (default {SSE_CLIENTS})")
     parser.add_argument("--sse-rate", type=int, default=SSE_RATE,
                         help=f"the synthetic rate of the gateway run (default {SSE_RATE})")
     parser.add_argument("--coalesce-ms", type=int, default=0,
@@ -109,8 +130,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "spread each request's fixed commands and CPU (Celery's) over more tokens")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
+    args.streams = tuple(count for count in map(int, args.streams.split(",")) if count)
     if args.rates is None:
         args.rates = QUICK_RATES if args.quick else RATES
+    elif args.rates == "none":
+        args.rates = ()
     else:
         args.rates = tuple(int(rate) for rate in args.rates.split(","))
     return args
@@ -205,39 +229,90 @@ def measure_rate(rate: int, args: argparse.Namespace, model: Path, server: Redis
     }
 
 
-def measure_sse(args: argparse.Namespace, model: Path, server: RedisServer, workdir: Path) -> dict[str, Any]:
-    celery = Celery("bench-client", broker=server.url, backend=server.url)
-    client = redis.Redis.from_url(server.url)
-    streams, rate = args.streams, args.sse_rate
-    options = {"synthetic_rate": rate, "concurrency": streams, "max_batch_size": streams,
-               "stream_coalesce_ms": args.coalesce_ms}
-    gateway, url = start_gateway(server.url, QUEUE, streams, workdir / "gateway.log")
-    try:
-        with WorkerProcess(model, server.url, QUEUE, "ceiling-sse", workdir / "worker-sse.log", options) as worker:
-            worker.wait_ready(celery)
-            assert worker.pid is not None and gateway.pid is not None
-            run_streams(url, streams, streams, 8)
-            progress(f"gateway: {2 * streams} streamed completions, {streams} at once, at {rate} tokens/s")
-            before = snapshot(worker.pid, client, gateway.pid)
-            done = run_streams(url, streams, 2 * streams, NEW_TOKENS)
-            after = snapshot(worker.pid, client, gateway.pid)
-    finally:
-        gateway.stop()
+def measure_sse_run(streams: int, mode: str, args: argparse.Namespace, worker_pid: int,
+                    gateways: dict[int, tuple[int, str]], client: redis.Redis) -> dict[str, Any]:
+    """One gateway run: 2 `streams` completions, `streams` at once, coalescing as `mode` says."""
+    gateway_ms = args.sse_coalesce_ms if mode == "gateway" else 0
+    gateway_pid, url = gateways[gateway_ms]
+    request_ms = args.sse_coalesce_ms if mode == "request" else None
+    jobs = client_jobs(url, streams, streams, NEW_TOKENS, args.sse_clients, request_ms)
+    progress(f"gateway: {streams} streamed completions, {streams} at once, coalescing {mode}")
+
+    def counters() -> dict[str, Any]:
+        return snapshot(worker_pid, client, gateway_pid)
+
+    before, reports, after = run_clients(jobs, counters)
+    done = combined(reports, NEW_TOKENS)
+    # The client's CPU is its processes' own (this process only waits): replace the snapshot's.
+    before["cpu_s"]["client"], after["cpu_s"]["client"] = 0.0, done["cpu_s"]
     if done["failed"]:
-        progress(f"gateway: {done['failed']} streams broke ({'; '.join(done['failures'])}); its log ends with:\n"
-                 f"{gateway.log_tail(20)}")
+        progress(f"gateway: {done['failed']} streams broke ({'; '.join(done['failures'])})")
+    tokens = max(done["tokens"], 1)
     service = done["tokens"] / done["wall_s"]
-    progress(f"gateway: {service:.0f} tokens/s at the client, x{service / rate:.3f} of the synthetic rate")
-    return {"synthetic_rate": rate, "streams": streams, "requests": 2 * streams, "new_tokens": NEW_TOKENS,
+    progress(f"gateway: {service:.0f} tokens/s at the client, x{service / args.sse_rate:.3f} of the synthetic rate")
+    return {"streams": streams, "mode": mode, "gateway_coalesce_ms": gateway_ms, "request_coalesce_ms": request_ms,
+            "client_processes": len(jobs), "requests": streams, "new_tokens": NEW_TOKENS,
             "tokens": done["tokens"], "completed": done["completed"], "failed": done["failed"],
             "failures": done["failures"], "texts_alike": done["texts_alike"],
             "wall_s": round(done["wall_s"], 3), "service_tok_s": round(service, 1),
-            "service_over_rate": round(service / rate, 4), **usage(before, after, done["tokens"], done["wall_s"])}
+            "service_over_rate": round(service / args.sse_rate, 4),
+            "text_chunks_per_token": round(done["text_chunks"] / tokens, 4),
+            "first_text_ms": percentiles_ms(done["first_text_s"]),
+            "text_chunk_interval_ms": percentiles_ms(done["intervals_s"]),
+            **usage(before, after, tokens, done["wall_s"])}
+
+
+def measure_sse_latency(mode: str, args: argparse.Namespace, gateways: dict[int, tuple[int, str]]
+                        ) -> dict[str, Any]:
+    """The latency cost alone: LATENCY_REQUESTS streams one after the other, so that nothing but the
+    coalescing sets when a chunk goes out."""
+    gateway_ms = args.sse_coalesce_ms if mode == "gateway" else 0
+    request_ms = args.sse_coalesce_ms if mode == "request" else None
+    jobs = client_jobs(gateways[gateway_ms][1], 1, LATENCY_REQUESTS, LATENCY_TOKENS, 1, request_ms)
+    _, reports, _ = run_clients(jobs, lambda: None)
+    done = combined(reports, LATENCY_TOKENS)
+    progress(f"gateway: one stream at a time, coalescing {mode}: first text "
+             f"{percentiles_ms(done['first_text_s'])['p50']} ms, chunks "
+             f"{percentiles_ms(done['intervals_s'])['p50']} ms apart (p50)")
+    return {"mode": mode, "requests": LATENCY_REQUESTS, "new_tokens": LATENCY_TOKENS,
+            "completed": done["completed"], "texts_alike": done["texts_alike"],
+            "tokens_per_text_chunk": round(done["tokens"] / max(done["text_chunks"], 1), 2),
+            "first_text_ms": percentiles_ms(done["first_text_s"]),
+            "text_chunk_interval_ms": percentiles_ms(done["intervals_s"])}
+
+
+def measure_sse(args: argparse.Namespace, model: Path, server: RedisServer, workdir: Path) -> dict[str, Any]:
+    """Every gateway run, on one worker and two gateways (coalescing off, and at --sse-coalesce-ms)."""
+    celery = Celery("bench-client", broker=server.url, backend=server.url)
+    client = redis.Redis.from_url(server.url)
+    most, rate = max(args.streams), args.sse_rate
+    options = {"synthetic_rate": rate, "concurrency": most, "max_batch_size": most,
+               "stream_coalesce_ms": args.coalesce_ms}
+    gateways: dict[int, tuple[int, str]] = {}
+    processes = []
+    try:
+        for coalesce_ms in (0, args.sse_coalesce_ms):
+            gateway, url = start_gateway(server.url, QUEUE, most, coalesce_ms, workdir / f"gateway-{coalesce_ms}.log")
+            processes.append(gateway)
+            assert gateway.pid is not None
+            gateways[coalesce_ms] = (gateway.pid, url)
+        with WorkerProcess(model, server.url, QUEUE, "ceiling-sse", workdir / "worker-sse.log", options) as worker:
+            worker.wait_ready(celery)
+            assert worker.pid is not None
+            latency = [measure_sse_latency(mode, args, gateways) for mode in SSE_MODES]
+            runs = [measure_sse_run(streams, mode, args, worker.pid, gateways, client)
+                    for streams in args.streams for mode in SSE_MODES]
+    finally:
+        for process in processes:
+            process.stop()
+    return {"synthetic_rate": rate, "coalesce_ms": args.sse_coalesce_ms, "worker_coalesce_ms": args.coalesce_ms,
+            "latency": latency, "runs": runs}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     install_sigterm_as_interrupt()
     machine = start_run(1)
+    open_files = raise_open_files_limit()
     model = ensure_model("tiny")
     runs = []
     with tempfile.TemporaryDirectory(prefix="genq-ceiling-") as tmp, \
@@ -252,7 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": "llama tiny preset (its tokenizer and config only: genq_dev/tiny_model.py)",
         "concurrency": args.concurrency, "coalesce_ms": args.coalesce_ms, "new_tokens": args.new_tokens,
         "target_ratio": TARGET_RATIO,
-        "runs": runs, "gateway": sse,
+        "runs": runs, "gateway": sse, "open_files_limit": open_files,
         "highest_sustained_rate": max(sustained) if sustained else None,
     }
 
@@ -274,32 +349,53 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"{'none' if sustained is None else f'{sustained:,} tokens/s'} ({results['concurrency']} requests in "
             f"flight; {measured_when(results['machine'])})")
     lines = [*table_lines(header, "rrrrrrrrr", rows), note]
-    sse = results["gateway"]
-    if sse is not None:
-        per_1k, share = sse["cpu_s_per_1k_tokens"], sse["share_of_a_core"]
-        cells = [f"{per_1k[name]:.3f} ({share[name]:.0%})" for name in ("worker", "gateway", "redis", "client")]
-        lines += ["", *table_lines(
-            ["SSE streams", "synthetic tok/s", "service tok/s", "service/rate", "worker CPU s/1k tok (core)",
-             "gateway", "Redis", "client", "Redis cmds/token"], "rrrrrrrrr",
-            [[sse["streams"], f"{sse['synthetic_rate']:,}", f"{sse['service_tok_s']:,.0f}",
-              f"{sse['service_over_rate']:.3f}", *cells, f"{sse['redis_commands_per_token']:.2f}"]])]
+    if results["gateway"] is not None:
+        lines += ["", *sse_table_lines(results["gateway"], results["open_files_limit"])]
     return "\n".join(lines)
+
+
+SSE_MODE_LABELS = {"off": "off", "gateway": "gateway {ms} ms", "request": "request {ms} ms (worker + gateway)"}
+
+
+def sse_table_lines(sse: dict[str, Any], open_files: dict[str, int]) -> list[str]:
+    """The gateway runs' table: per stream count, coalescing off, the gateway's alone, the request's."""
+    rows = []
+    for r in sse["runs"]:
+        per_1k, share = r["cpu_s_per_1k_tokens"], r["share_of_a_core"]
+        cells = [f"{per_1k[name]:.3f} ({share[name]:.0%})" for name in ("worker", "gateway", "redis", "client")]
+        first, interval = r["first_text_ms"], r["text_chunk_interval_ms"]
+        rows.append([f"{r['streams']:,}", SSE_MODE_LABELS[r["mode"]].format(ms=sse["coalesce_ms"]),
+                     f"{r['service_tok_s']:,.0f}", f"{r['service_over_rate']:.3f}", *cells,
+                     f"{r['redis_commands_per_token']:.2f}", f"{1 / max(r['text_chunks_per_token'], 1e-9):.1f}",
+                     f"{first['p50']:.0f} / {first['p99']:.0f}", f"{interval['p50']:.1f} / {interval['p90']:.1f}",
+                     f"{r['failed']}"])
+    header = ["SSE streams", "coalescing", "service tok/s", "service/rate", "worker CPU s/1k tok (core)", "gateway",
+              "Redis", "client", "Redis cmds/token", "tokens per SSE chunk", "first text ms p50 / p99",
+              "text chunk interval ms p50 / p90", "failed"]
+    note = (f"\nSynthetic rate {sse['synthetic_rate']:,} tokens/s, one worker, as many completions as streams, of "
+            f"{NEW_TOKENS} tokens per run, the client in {sse['runs'][0]['client_processes']} processes; "
+            f"RLIMIT_NOFILE {open_files['soft']:,}.")
+    latency_rows = [[SSE_MODE_LABELS[r["mode"]].format(ms=sse["coalesce_ms"]), f"{r['tokens_per_text_chunk']:.1f}",
+                     " / ".join(f"{r['first_text_ms'][q]:.1f}" for q in ("p50", "p99")),
+                     " / ".join(f"{r['text_chunk_interval_ms'][q]:.1f}" for q in ("p50", "p90", "p99"))]
+                    for r in sse["latency"]]
+    latency_note = (f"\nOne stream at a time: {LATENCY_REQUESTS} completions of {LATENCY_TOKENS} tokens per "
+                    "setting, time from sending the request to each chunk with text.")
+    return [*table_lines(header, "rlrrrrrrrrrrr", rows), note, "",
+            *table_lines(["coalescing", "tokens per SSE chunk", "first text ms p50 / p99",
+                          "text chunk interval ms p50 / p90 / p99"], "lrrr", latency_rows), latency_note]
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
     runs = results["runs"]
     rates = [r["synthetic_rate"] for r in runs]
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, (left, middle, right, gateway) = plt.subplots(1, 4, figsize=(21, 4.5))
     left.plot(rates, [r["service_tok_s"] for r in runs], "o-", label="service (at the client)")
     left.plot(rates, rates, "--", color="gray", label="synthetic rate")
     left.plot(rates, [r["engine"]["tok_s"] for r in runs], "^-", color="C2", label="engine alone (in-process)")
     for r in runs:
         left.annotate(f"x{r['service_over_engine']:.2f}", (r["synthetic_rate"], r["service_tok_s"]), fontsize=8,
                       textcoords="offset points", xytext=(4, -10))
-    sse = results["gateway"]
-    if sse is not None:
-        left.plot([sse["synthetic_rate"]], [sse["service_tok_s"]], "s", color="C3",
-                  label=f"through the gateway, {sse['streams']} SSE streams")
     left.set(xscale="log", yscale="log", xlabel="synthetic engine tokens/s", ylabel="tokens/s",
              title="one worker's service throughput")
     labels = [f"{rate:,}" for rate in rates]
@@ -308,7 +404,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     left.minorticks_off()
     left.legend()
     bottom = [0.0] * len(runs)
-    for component in ("worker", "redis", "client"):  # the gateway run is in the table
+    for component in ("worker", "redis", "client"):
         values = [r["cpu_s_per_1k_tokens"][component] for r in runs]
         middle.bar(labels, values, bottom=bottom, label=component)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -318,7 +414,27 @@ def plot(results: dict[str, Any], path: Path) -> None:
     right.bar(labels, [r["redis_commands_per_token"] for r in runs])
     right.set(xlabel="synthetic engine tokens/s", ylabel="Redis commands per generated token",
               title="Redis commands per token")
+    if results["gateway"] is not None:
+        plot_sse(results["gateway"], gateway)
     save_figure(fig, path)
+
+
+def plot_sse(sse: dict[str, Any], axes: Any) -> None:
+    """The gateway runs: CPU per 1,000 tokens per component, stacked, each bar labelled with its
+    service tok/s."""
+    runs = sse["runs"]
+    labels = [f"{r['streams']:,}\n{r['mode']}" for r in runs]
+    bottom = [0.0] * len(runs)
+    for component in ("worker", "gateway", "redis", "client"):
+        values = [r["cpu_s_per_1k_tokens"][component] for r in runs]
+        axes.bar(labels, values, bottom=bottom, label=component)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, (r, top) in enumerate(zip(runs, bottom)):
+        axes.annotate(f"{r['service_tok_s']:,.0f} tok/s", (x, top), ha="center", fontsize=8,
+                      textcoords="offset points", xytext=(0, 3))
+    axes.set(xlabel=f"SSE streams, coalescing (on: {sse['coalesce_ms']} ms)", ylabel="CPU seconds per 1,000 tokens",
+             title=f"through the gateway at {sse['synthetic_rate']:,} tok/s")
+    axes.legend()
 
 
 main = bench_main("service_ceiling", parse_args, run, plot, markdown_table)

@@ -18,8 +18,9 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import ExitStack, aclosing, closing
+from typing import Any
 
 import anyio
 import httpx
@@ -28,7 +29,7 @@ import pytest
 import redis
 
 from producer.client import PUBSUB_CLIENT_NAME
-from producer.gateway.sse import with_keepalive
+from producer.gateway.sse import merged, with_keepalive
 from producer.protocol import StreamEvent, channel_name
 from tests.gateway_service import MODEL, TOKEN, GatewayProcess, Sse, bearer, service_env
 from worker.processes import wait_until
@@ -357,11 +358,21 @@ def test_a_reader_that_takes_nothing_for_the_write_timeout_is_dropped(
     wait_until(lambda: subscribers(admin, task) == 0, 30, "the dropped reader to unsubscribe")
 
 
-def test_a_stream_cancelled_as_its_read_finishes_closes_its_source():
+SOURCES: dict[str, tuple[Callable[[AsyncGenerator[int, None]], AsyncGenerator[Any, None]], Any]] = {
+    "alone": (lambda source: source, 1),
+    "one merged source": (lambda source: merged([source]), (0, 1)),
+}
+"""How a stream reads its source (a one-prompt completions stream: merged over one), and what
+its first item then is."""
+
+
+@pytest.mark.parametrize("reading", SOURCES)
+def test_a_stream_cancelled_as_its_read_finishes_closes_its_source(reading: str):
     """Starlette cancels a stream's task group when its client leaves (a dropped stalled reader),
     and anyio cancels every later await in that group again. If the read of the next event had
     just finished, the source (the task's events and their subscription) is suspended at a yield:
     with_keepalive's cleanup must still close it, not stop at its first await."""
+    wrap, first = SOURCES[reading]
     closed: list[bool] = []
 
     async def stream() -> None:
@@ -375,8 +386,8 @@ def test_a_stream_cancelled_as_its_read_finishes_closes_its_source():
                 finally:
                     closed.append(True)
 
-            async with aclosing(with_keepalive(source(), 60)) as items:
-                assert await anext(items) == 1
+            async with aclosing(with_keepalive(wrap(source()), 60)) as items:
+                assert await anext(items) == first
                 try:
                     await anext(items)
                 finally:
@@ -385,7 +396,8 @@ def test_a_stream_cancelled_as_its_read_finishes_closes_its_source():
     asyncio.run(stream())
 
 
-def test_a_read_that_drops_a_cancellation_is_cancelled_again_when_its_stream_closes():
+@pytest.mark.parametrize("reading", SOURCES)
+def test_a_read_that_drops_a_cancellation_is_cancelled_again_when_its_stream_closes(reading: str):
     """Python 3.11's asyncio.wait_for (redis-py's socket writes use it) returns the inner
     result and drops a cancellation that arrives as the inner work completes: the gateway saw
     a task's first replay read go on after its client left, wait for live events, and hold its
@@ -404,7 +416,7 @@ def test_a_read_that_drops_a_cancellation_is_cancelled_again_when_its_stream_clo
             finally:
                 closed.append(True)
 
-        items = with_keepalive(source(), 0.01)
+        items = with_keepalive(SOURCES[reading][0](source()), 0.01)
         assert await anext(items) is None  # a keep-alive: the read is pending
         async with asyncio.timeout(10):
             await items.aclose()

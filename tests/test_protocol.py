@@ -566,6 +566,7 @@ NOT_GATEWAY_LIMITS = {
     "PORT": "where it listens",
     "RETRY_AFTER_S": "the Retry-After of a 429 (the setting; tokens.py's for /tokenize)",
     "KEEPALIVE_S": "an interval between SSE comments",
+    "STREAM_COALESCE_MS": "an interval between an OpenAI stream's chunks",
     "CARD_REFRESH_S": "how often the model card is re-read",
     "TASK_RECORD_TTL_S": "GENQ_RESULT_EXPIRES_S, the workers' result lifetime, shared with them",
     "NONCE_BYTES": "the size of an access token's random part",

@@ -80,6 +80,7 @@ from producer.gateway.openai_api import (
 from producer.gateway.openai_api import prompt_logprobs as shape_prompt_logprobs
 from producer.gateway.prompt_gate import PromptGate
 from producer.gateway.settings import GatewaySettings
+from producer.gateway.sse_coalescing import coalesced
 from producer.gateway.submission import parse_request, resuming, routed
 from producer.gateway.subscriptions import FellBehind, SubscriptionHub
 from producer.gateway.tenancy import RateLimitHeaders, Tenancy
@@ -531,7 +532,8 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
         chunks = _chat_stream(gateway, handle, body.n_choices, body.model, include_usage=body.include_usage,
                               tool_format=(generation.tool_format or "hermes") if reads_calls else None,
                               reasoning_format=generation.reasoning_format, legacy_functions=body.legacy_functions,
-                              prompt_logprobs=body.prompt_logprobs)
+                              prompt_logprobs=body.prompt_logprobs,
+                              coalesce_s=body.coalesce_s(settings.stream_coalesce_ms))
         return sse.EventStream(chunks, give_back)
     try:
         handle = await gateway.client.submit(generation, identifier=identifier, queue=target.route.queue)
@@ -560,7 +562,7 @@ async def _chat(gateway: Gateway, request: Request, body: ChatCompletionRequest)
 async def _chat_stream(gateway: Gateway, handle: AsyncGenerationHandle, n: int, model: str, *,
                        include_usage: bool, tool_format: ToolFormat | None = None,
                        reasoning_format: ReasoningFormat | None = None, legacy_functions: bool = False,
-                       prompt_logprobs: int | None = None) -> AsyncGenerator[str, None]:
+                       prompt_logprobs: int | None = None, coalesce_s: float = 0.0) -> AsyncGenerator[str, None]:
     """OpenAI's streaming format of chat completions (completions': producer/gateway/completions.py):
     `data: <chunk>` per piece of text, a finish chunk, a usage chunk when asked, then `data: [DONE]`.
     With a tool_format (a chat with tools) each choice's text goes through a ToolCallStream:
@@ -579,7 +581,8 @@ async def _chat_stream(gateway: Gateway, handle: AsyncGenerationHandle, n: int, 
     a worker dies mid-generation, the redelivered attempt continues each sample's text where it
     stopped (a TextAssembler per index). With prompt_logprobs (vLLM's, `alternatives` each) the
     first chunk carries them at its top level: the role chunks wait for the chunk event that
-    brings them, and a PromptGate holds the text back until then."""
+    brings them, and a PromptGate holds the text back until then. `coalesce_s`: each choice's
+    chunk events merged, one at most this often (producer/gateway/sse_coalescing.py)."""
     created = int(time.time())
 
     def chunk(index: int, text: str | None, finish_reason: OpenAIFinishReason | None = None, *, role: bool = False,
@@ -660,7 +663,7 @@ async def _chat_stream(gateway: Gateway, handle: AsyncGenerationHandle, n: int, 
         if not gate.waiting:
             for role in roles(None):
                 yield role
-        events = resuming(handle, gateway.settings.stream_idle_timeout_s)
+        events = coalesced(resuming(handle, gateway.settings.stream_idle_timeout_s), coalesce_s)
         async with aclosing(sse.with_keepalive(events, gateway.settings.keepalive_s)) as items:
             async for item in items:
                 if item is None:

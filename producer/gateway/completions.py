@@ -56,6 +56,7 @@ from producer.gateway.openai_api import (
     total_usage,
 )
 from producer.gateway.prompt_gate import PromptGate
+from producer.gateway.sse_coalescing import coalesced
 from producer.gateway.submission import parse_request, resuming, routed
 from producer.protocol import GenerationRequest, GenerationResult, StreamEvent, TokenLogprob, Usage
 
@@ -272,7 +273,8 @@ async def _stream(gateway: Gateway, handles: list[AsyncGenerationHandle], identi
                 for piece in opening(prompt, None):
                     yield piece
         timeout = gateway.settings.stream_idle_timeout_s
-        events = sse.merged([resuming(handle, timeout) for handle in handles])
+        interval_s = body.coalesce_s(gateway.settings.stream_coalesce_ms)
+        events = sse.merged([coalesced(resuming(handle, timeout), interval_s) for handle in handles])
         async with aclosing(sse.with_keepalive(events, gateway.settings.keepalive_s)) as items:
             async for item in items:
                 if item is None:

@@ -92,7 +92,8 @@ SAME_NAMED_SAMPLERS = (
 """The extensions whose TabbyAPI name is the protocol's sampling field."""
 OPENAI_NAMES: dict[str, str] = {
     "input_ids": "prompt", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
-    "sampling.token_bias": "logit_bias", "sampling.repetition_penalty_range": "penalty_range",
+    "sampling.token_bias": "logit_bias", "stream.coalesce_ms": "stream_options.coalesce_ms",
+    "sampling.repetition_penalty_range": "penalty_range",
     "sampling.repetition_penalty_decay": "repetition_decay", "sampling.mirostat": "mirostat_mode",
     **{f"sampling.{name}": name for name in (
         "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -253,6 +254,11 @@ class StreamOptionsParam(_Nested):
     """OpenAI's padding of streamed chunks against length side channels; genq adds none."""
 
     include_usage: bool = False
+    coalesce_ms: int | None = Field(
+        default=None, description="genq extension: the worker's and this gateway's chunks merged and sent at most "
+                                  "this often per choice (ms; 0: every step; unset: GENQ_STREAM_COALESCE_MS on the "
+                                  "worker, GENQ_GATEWAY_STREAM_COALESCE_MS here); the first chunk and the last go "
+                                  "out at once")
 
 
 class StructuredOutputsParam(_Nested):
@@ -425,11 +431,22 @@ class _CommonParams(BaseModel):
             fields["token_healing"] = self.token_healing
         if self.prompt_logprobs is not None:
             fields["prompt_logprobs"] = self.prompt_logprobs
+        if self.coalesce_ms is not None:
+            fields["stream"] = {"coalesce_ms": self.coalesce_ms}
         return fields
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def coalesce_ms(self) -> int | None:
+        """stream_options.coalesce_ms, the request's own coalescing interval, if it gives one."""
+        return None if self.stream_options is None else self.stream_options.coalesce_ms
+
+    def coalesce_s(self, default_ms: int) -> float:
+        """The gateway's interval between a choice's chunks: the request's, else `default_ms`."""
+        return (default_ms if self.coalesce_ms is None else self.coalesce_ms) / 1000
 
 
 class CompletionRequest(_CommonParams):

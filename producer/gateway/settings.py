@@ -11,7 +11,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from producer.callbacks import DEFAULT_CALLBACK_QUEUE
-from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE, MAX_PRIORITY, MIN_PRIORITY
+from producer.protocol import IDENTIFIER_PATTERN, IDENTIFIER_RE, MAX_COALESCE_MS, MAX_PRIORITY, MIN_PRIORITY
 from producer.settings import ClientSettings
 
 
@@ -52,6 +52,11 @@ class GatewaySettings(ClientSettings):
     stream_buffer_events: int = Field(default=1024, ge=1,
                                       description="live events waiting for one SSE reader; past it the reader "
                                                   "has fallen behind and its stream ends with a `resume` event")
+    stream_coalesce_ms: int = Field(default=0, ge=0, le=MAX_COALESCE_MS,
+                                    description="an OpenAI stream's chunks merged and written at most this often "
+                                                "per choice (ms; 0: one per event) for requests that do not set "
+                                                "stream_options.coalesce_ms; the first chunk and the last go out "
+                                                "at once")
     pubsub_connections: int = Field(default=4, ge=1, le=64,
                                     description="Redis pub/sub connections every SSE reader is multiplexed over")
     redis_max_connections: int = Field(default=64, ge=1,

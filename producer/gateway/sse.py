@@ -8,7 +8,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import anyio
 from fastapi import Request
@@ -18,6 +18,13 @@ from starlette.types import Receive, Scope, Send
 from producer.gateway.errors import ApiError
 
 T = TypeVar("T")
+
+
+class Idle:
+    """What Lookahead.next returns when no item came in time (a type of its own: an item may be None)."""
+
+
+IDLE = Idle()
 
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
@@ -118,42 +125,77 @@ async def _read_next(items: AsyncGenerator[T, None], scope: anyio.CancelScope) -
     raise asyncio.CancelledError  # reached only when the scope was cancelled (it caught that)
 
 
-async def with_keepalive(items: AsyncGenerator[T, None], interval_s: float) -> AsyncGenerator[T | None, None]:
-    """Yield the items of `items`, and None whenever none arrived for `interval_s`. The pending
-    read is kept across keep-alives (cancelling it would lose an item). Closing this closes `items`."""
-    pending: asyncio.Future[T] | None = None
-    scope = anyio.CancelScope()
-    try:
-        while True:
-            if pending is None:
-                scope = anyio.CancelScope()
-                pending = asyncio.ensure_future(_read_next(items, scope))
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield None
-                continue
-            finished, pending = pending, None
-            try:
-                item = finished.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        # Shielded: when a stream's client leaves, Starlette cancels its task group, and anyio
-        # cancels every await in there again; the first await would end this cleanup, and a read
-        # that had just finished would leave `items` suspended at a yield, subscribed.
+class Lookahead(Generic[T]):
+    """One read of `items` kept pending across waits that time out (cancelling it would lose an
+    item), for a stream that must also act on a clock: keep-alives, coalescing deadlines."""
+
+    def __init__(self, items: AsyncGenerator[T, None]) -> None:
+        self._items = items
+        self._pending: asyncio.Future[T] | None = None
+        self._scope = anyio.CancelScope()
+
+    async def next(self, timeout_s: float | None) -> T | Idle:
+        """The next item, or IDLE when none arrived within `timeout_s` (None: wait for it); raises
+        StopAsyncIteration at the end, and what `items` raised."""
+        if self._pending is None and timeout_s is None:
+            return await anext(self._items)  # nothing to keep across a timeout: read in this task
+        if self._pending is None:
+            self._scope = anyio.CancelScope()
+            self._pending = asyncio.ensure_future(_read_next(self._items, self._scope))
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout_s)
+        if not done:
+            return IDLE
+        finished, self._pending = self._pending, None
+        return finished.result()
+
+    async def aclose(self) -> None:
+        """Give up the pending read and close `items`. Shielded: when a stream's client leaves,
+        Starlette cancels its task group, and anyio cancels every await in there again; the first
+        await would end this cleanup, and a read that had just finished would leave `items`
+        suspended at a yield, subscribed."""
         with anyio.CancelScope(shield=True):
+            pending, self._pending = self._pending, None
             if pending is not None:
-                scope.cancel()  # the source generator ends with the CancelledError thrown into it
+                self._scope.cancel()  # the source generator ends with the CancelledError thrown into it
                 await asyncio.wait({pending})
                 if not pending.cancelled():
                     pending.exception()  # retrieved: a read that failed as it was given up is not news
-            await items.aclose()
+            await self._items.aclose()
 
 
-async def merged(sources: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+async def with_keepalive(items: AsyncGenerator[T, None], interval_s: float) -> AsyncGenerator[T | None, None]:
+    """Yield the items of `items`, and None whenever none arrived for `interval_s`. Closing this
+    closes `items`."""
+    reader = Lookahead(items)
+    try:
+        while True:
+            try:
+                item = await reader.next(interval_s)
+            except StopAsyncIteration:
+                return
+            yield None if isinstance(item, Idle) else item
+    finally:
+        await reader.aclose()
+
+
+async def _numbered(source: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
+    try:
+        async for item in source:
+            yield 0, item
+    finally:
+        with anyio.CancelScope(shield=True):  # as in Lookahead.aclose
+            await source.aclose()
+
+
+def merged(sources: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """The items of all `sources` as they come, each with its source's position; ends when they
-    all have. Each read is cancelled as with_keepalive's is. Closing this closes every source."""
+    all have. Each read is cancelled as with_keepalive's is. Closing this closes every source. One
+    source is read in the reader's task: no read of its own per item (a task and a wait per token
+    of the usual one-prompt stream)."""
+    return _numbered(sources[0]) if len(sources) == 1 else _merged(sources)
+
+
+async def _merged(sources: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     scopes: dict[int, anyio.CancelScope] = {}
     pending: dict[asyncio.Future[T], int] = {}
 
