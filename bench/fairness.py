@@ -22,8 +22,11 @@ when it arrived and the way back):
 
 The interactive requests start once the worker holds --concurrency flood tasks; the run records
 how many flood tasks were still queued when the last interactive request got its first chunk.
+With --rounds R the four modes run R times in turn, --interactive requests each time, and each
+mode's figures pool its R runs: on a machine whose load drifts, every mode samples the same
+stretch of it.
 
-    python bench/fairness.py            # 200 flood tasks, 20 interactive requests, concurrency 4
+    python bench/fairness.py            # 200 flood tasks, 20 interactive requests, concurrency 4, 1 round
     python bench/fairness.py --quick    # 60 flood tasks, 5 interactive requests
 """
 
@@ -64,6 +67,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                           "each with its own worker; a few minutes.")
     parser.add_argument("--flood", type=int, default=200, help="requests the flooding tenant sends at once")
     parser.add_argument("--interactive", type=int, default=20, help="requests the other tenant sends, one by one")
+    parser.add_argument("--rounds", type=int, default=1, help="times the modes run in turn, pooled per mode")
     parser.add_argument("--concurrency", type=int, default=4, help="the worker's task slots and engine batch")
     parser.add_argument("--lanes", type=int, default=4, help="GENQ_TENANT_LANES in the lanes mode")
     parser.add_argument("--preset", default="tiny", help="tiny model preset (genq_dev/tiny_model.py)")
@@ -94,7 +98,9 @@ def timed_request(client: GenqClient, tenant: str) -> tuple[float, float, float]
         handle.close()
 
 
-def run_mode(mode: str, model: Path, args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[str, Any]:
+def run_mode(mode: str, model: Path, args: argparse.Namespace, redis_url: str, workdir: Path
+             ) -> tuple[list[tuple[float, float, float]], int | None]:
+    """The interactive requests' timings (timed_request) and the flood tasks still queued after them."""
     queue = f"bench-fair-{mode}"
     lanes = args.lanes if mode in ("mixed", "lanes") else 0
     options = {"cache_tokens": 16384, "page_size": 16, "concurrency": args.concurrency,
@@ -117,16 +123,20 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, redis_url: str, w
                 time.sleep(0.005)
         progress(f"{mode}: {args.interactive} interactive requests")
         timings = [timed_request(client, INTERACTIVE) for _ in range(args.interactive)]
-        backlog = client.redis.llen(flood_list) if mode != "idle" else None
+        return timings, client.redis.llen(flood_list) if mode != "idle" else None
     finally:
         client.redis.delete(flood_list)
         client.close()
         worker.stop()
+
+
+def mode_figures(mode: str, timings: list[tuple[float, float, float]], backlogs: list[int | None]
+                 ) -> dict[str, Any]:
     figures = {"first_chunk_ms": percentiles_ms([t[0] for t in timings]),
                "engine_wait_ms": percentiles_ms([t[1] for t in timings]),
                "prefill_ms": percentiles_ms([t[2] for t in timings]),
                "first_chunk_all_ms": [round(t[0] * 1000, 1) for t in timings],
-               "flood_queued_at_end": backlog}
+               "flood_queued_at_end": None if mode == "idle" else min(b for b in backlogs if b is not None)}
     progress(f"{mode}: {figures}")
     return figures
 
@@ -154,10 +164,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
                     [results["modes"][m][key]["p99"] for m in lanes_modes], 0.27, label=label)
     axes[1].set_xticks(range(len(lanes_modes)), lanes_modes)
     axes[1].set_ylabel("p99 ms")
-    axes[1].set_title("p99: idle vs flood with tenant lanes (mixed / newcomer steps)")
+    axes[1].set_title("p99: idle; flood, lanes (mixed / newcomer steps)")
     axes[1].legend()
     s = results["settings"]
-    fig.suptitle(f"{s['flood']} flood tasks, {s['interactive']} interactive requests, concurrency and batch "
+    fig.suptitle(f"{s['flood']} flood tasks, {s['interactive']} interactive requests x {s['rounds']} rounds, "
+                 f"concurrency and batch "
                  f"{s['concurrency']}, {s['lanes']} lanes - {results['machine']['date']}", fontsize=9)
     save_figure(fig, path, dpi=100)
 
@@ -181,15 +192,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = ensure_model(args.preset)
     results: dict[str, Any] = {
         "machine": machine,
-        "settings": {"flood": args.flood, "interactive": args.interactive, "concurrency": args.concurrency,
+        "settings": {"flood": args.flood, "interactive": args.interactive, "rounds": args.rounds,
+                     "concurrency": args.concurrency,
                      "lanes": args.lanes, "preset": args.preset, "flood_max_new_tokens": "8 + i % 17",
                      "interactive_max_new_tokens": 2},
         "timing": TIMING_METHOD,
         "modes": {},
     }
     with tempfile.TemporaryDirectory(prefix="genq-bench-") as tmp, RedisServer(Path(tmp), persistence="none") as server:
-        for mode in MODES:
-            results["modes"][mode] = run_mode(mode, model, args, server.url, Path(tmp))
+        runs: dict[str, list[tuple[list[tuple[float, float, float]], int | None]]] = {mode: [] for mode in MODES}
+        for round_ in range(args.rounds):
+            for mode in MODES:
+                progress(f"round {round_ + 1} of {args.rounds}")
+                runs[mode].append(run_mode(mode, model, args, server.url, Path(tmp)))
+    for mode in MODES:
+        results["modes"][mode] = mode_figures(mode, [t for timings, _ in runs[mode] for t in timings],
+                                              [backlog for _, backlog in runs[mode]])
     return results
 
 
