@@ -158,14 +158,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("ms")
     axes[0].set_title("interactive tenant: time to first chunk, each request")
     lanes_modes = [m for m in modes if m != "shared"]
-    for key, offset, label in (("first_chunk_ms", -0.27, "first chunk"), ("prefill_ms", 0, "of it its prefill step"),
-                               ("engine_wait_ms", 0.27, "of it in the engine's queue")):
-        axes[1].bar([j + offset for j in range(len(lanes_modes))],
-                    [results["modes"][m][key]["p99"] for m in lanes_modes], 0.27, label=label)
+    bars = [(key, q) for key in ("first_chunk_ms", "prefill_ms") for q in ("p50", "p90", "p99")]
+    width = 0.8 / len(bars)
+    for i, (key, q) in enumerate(bars):
+        label = f"{'first chunk' if key == 'first_chunk_ms' else 'of it its prefill step'} {q}"
+        axes[1].bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(lanes_modes))],
+                    [results["modes"][m][key][q] for m in lanes_modes], width, label=label)
     axes[1].set_xticks(range(len(lanes_modes)), lanes_modes)
-    axes[1].set_ylabel("p99 ms")
-    axes[1].set_title("p99: idle; flood, lanes (mixed / newcomer steps)")
-    axes[1].legend()
+    axes[1].set_ylabel("ms")
+    axes[1].set_title("idle; flood with lanes (mixed / newcomer steps)")
+    axes[1].legend(fontsize=7)
     s = results["settings"]
     fig.suptitle(f"{s['flood']} flood tasks, {s['interactive']} interactive requests x {s['rounds']} rounds, "
                  f"concurrency and batch "
