@@ -41,7 +41,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How many jobs and tokens a step may hold (None: from the model and the cache). tenant_weights:
-    each named tenant's weight in fair admission (engine/fair_share.py; others weigh 1)."""
+    each named tenant's weight in fair admission (engine/fair_share.py; others weigh 1).
+    newcomer_first: a tenant with nothing running (or a class more urgent than every running job)
+    gets its prefill in a step of its own, ahead of the running jobs (engine/scheduler.py)."""
 
     max_batch_size: int | None = None
     max_seq_len: int | None = None
@@ -49,6 +51,7 @@ class SchedulerConfig:
     max_pending: int = DEFAULT_MAX_PENDING
     max_skips: int = 16
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    newcomer_first: bool = True
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,11 @@ class FairQueue:
         state.running -= 1
         self._forget_if_idle(tenant, state)
 
+    def running(self, tenant: str | None) -> int:
+        """How many of the tenant's sequences run (0 for a tenant not active)."""
+        state = self._tenants.get(tenant)
+        return 0 if state is None else state.running
+
     def charge(self, sequence: Sequence, tokens: int) -> None:
         """Count tokens the engine computed for the sequence against its tenant (if still active)."""
         state = self._tenants.get(sequence.job.tenant)

@@ -101,7 +101,8 @@ class Generator:
         self.kv = KVManager(cache.num_pages, self.page_size, config.cache.prefix_caching, window)
         self.scheduler = Scheduler(self.kv, self.max_batch_size, self.max_chunk_size, scheduling.max_skips,
                                    speculative.num_draft_tokens if speculating else 0,
-                                   speculative.max_speculative_batch, scheduling.tenant_weights)
+                                   speculative.max_speculative_batch, scheduling.tenant_weights,
+                                   scheduling.newcomer_first)
         vocab = model.config.vocab_size
         self.sampler = BatchSampler(self.max_batch_size, vocab, self.device)
         self.runner = ModelRunner(model, cache, self.max_batch_size, self.max_seq_len, draft_model, draft_cache,

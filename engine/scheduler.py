@@ -40,6 +40,17 @@ the free pages do not cover it), those running ones are preempted as under
 page pressure, least urgent class first and newest first within it; a
 running job is never preempted for one of its own class.
 
+A newcomer step (newcomer_first, on by default): when the sequence first in
+that order is a newcomer (of a class more urgent than every running
+sequence, or of the most urgent running class and a tenant with nothing
+running) and the batch has room, the step admits the newcomers first in that
+order and nothing else: the running sequences skip it. So another tenant's
+(or a more urgent class's) first token waits for its own prefill alone, not
+beside the flood's rows (vLLM's v0 scheduler ran every prefill in a step of
+its own). Two newcomer steps never follow each other, so however many arrive
+the running sequences decode at least every other step; a tenant that already
+runs a sequence of that class gets no such step.
+
 The schedule a step returns is immutable. After the forward, the generator
 appends the sampled tokens to the sequences and calls update_from_output with
 how many draft tokens each kept and which sequences finished; only then does
@@ -49,7 +60,7 @@ and of positions out of a sliding window, and drop finished sequences.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.embeddings import span_containing
@@ -102,6 +113,7 @@ class Scheduler:
         num_draft_tokens: int = 0,
         max_speculative_batch: int = 0,
         tenant_weights: Mapping[str, float] | None = None,
+        newcomer_first: bool = True,
     ) -> None:
         self.kv = kv
         self.num_draft_tokens = num_draft_tokens
@@ -112,6 +124,8 @@ class Scheduler:
         self.waiting = FairQueue(tenant_weights)
         self._running: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self.newcomer_first = newcomer_first
+        self._newcomer_step = False  # the last step was a newcomer step
 
     @property
     def running(self) -> list[Sequence]:
@@ -153,6 +167,8 @@ class Scheduler:
         step = _Draft(self.max_chunk_size)
         if self.waiting and self._running:
             self._preempt_for_urgent(step)
+        if self._newcomers_first(step):
+            return step.freeze()
         # One pass sorts the running sequences; one preempted below leaves _running and is skipped.
         decoding: list[Sequence] = []
         prefilling: list[Sequence] = []
@@ -236,12 +252,36 @@ class Scheduler:
                 return
             self._preempt(victim, step)
 
-    def _admit(self, step: _Draft) -> None:
+    def _newcomers_first(self, step: _Draft) -> bool:
+        """A newcomer step: admit the newcomers first in the waiting order (_is_newcomer) in a step
+        of their own (the running sequences skip it). True if it ran."""
+        was_newcomer_step, self._newcomer_step = self._newcomer_step, False
+        if not (self.newcomer_first and self.waiting and self._running) or was_newcomer_step \
+                or len(self._running) >= self.max_batch_size:
+            return False
+        most_urgent = min(s.job.priority for s in self._running.values())
+        if not self._is_newcomer(next(iter(self.waiting)), most_urgent):
+            return False
+        self._admit(step, lambda sequence: self._is_newcomer(sequence, most_urgent))
+        self._newcomer_step = bool(step.scheduled)
+        return self._newcomer_step
+
+    def _is_newcomer(self, sequence: Sequence, running_priority: int) -> bool:
+        """Of a class more urgent than every running sequence (running_priority: the most urgent
+        of them), or of as urgent a class and a tenant with nothing running."""
+        priority = sequence.job.priority
+        return priority < running_priority or (
+            priority == running_priority and not self.waiting.running(sequence.job.tenant))
+
+    def _admit(self, step: _Draft, only: Callable[[Sequence], bool] | None = None) -> None:
+        """Admit waiting sequences in the waiting order (while `only` holds for them, when given)."""
         kv = self.kv
         promised = self._promised()
         passed_over: list[Sequence] = []
         for sequence in self.waiting:
             if step.budget == 0 or len(self._running) >= self.max_batch_size:
+                break
+            if only is not None and not only(sequence):
                 break
             if any(s.skips >= self._skip_limit(s) for s in passed_over):
                 break

@@ -334,18 +334,46 @@ def test_a_batch_past_its_window_expires_with_its_unanswered_lines_in_the_error_
     assert sorted(answered) == sorted(line["custom_id"] for line in lines)
 
 
-def test_a_200_line_batch_answers_every_line_once_while_interactive_requests_are_answered_before_it_ends(
+BESIDE_BATCH_BOUND = 3
+"""How much slower an interactive chat may be answered beside a running 200-line batch than on the
+idle deployment (the slowest of INTERACTIVE_CHATS each, measured in the same test). Batch lines run
+at the batch priority, so a chat is taken from the broker ahead of the queued lines and prefilled
+in an engine step of its own ahead of the running ones (docs/engine.md, Fair share); what it still
+shares is the step in progress and its decode steps beside the lines' rows, on a 2-core machine
+whose load alone moves the slowest of a few answers by 2x or more (docs/benchmarks.md, Fair
+share under a flood). The order itself is checked in tests/test_fair_share.py."""
+INTERACTIVE_CHATS = 8
+
+
+def chat_seconds(oai: openai.OpenAI, text: str) -> float:
+    """An interactive 2-token chat, from the SDK's call to its answer."""
+    started = time.perf_counter()
+    answer = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2,
+                                         extra_body={"ignore_eos": True})
+    assert answer.usage is not None and answer.usage.completion_tokens == 2
+    return time.perf_counter() - started
+
+
+def test_a_200_line_batch_answers_every_line_once_while_interactive_requests_keep_their_latency(
         oai: openai.OpenAI, genq: GenqClient):
+    chat_seconds(oai, "warm up")
+    idle = [chat_seconds(oai, f"idle {i}") for i in range(INTERACTIVE_CHATS)]
     lines = [chat_line(f"bulk-{i}", f"item {i}", max_tokens=8, ignore_eos=True) for i in range(200)]
     input_file = oai.files.create(file=("bulk.jsonl", jsonl(lines)), purpose="batch")
     batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
                                completion_window="24h")
     wait_for(oai, batch.id, {"in_progress"}, timeout=30)
-    for i in range(3):  # each answered while the batch still runs: it never waits behind the batch's backlog
-        answer = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"now {i}"}],
-                                             max_tokens=8)
-        assert answer.choices[0].message.content is not None
-        assert oai.batches.retrieve(batch.id).status == "in_progress"
+    deadline = time.monotonic() + 60
+    while oai.batches.retrieve(batch.id).request_counts.completed == 0:  # the lines are running
+        assert time.monotonic() < deadline, "no line of the batch was answered in 60 s"
+        time.sleep(0.05)
+    beside = [chat_seconds(oai, f"now {i}") for i in range(INTERACTIVE_CHATS)]
+    progress = oai.batches.retrieve(batch.id)
+    assert progress.status == "in_progress", "the batch ended before the last interactive chat"
+    assert max(beside) <= BESIDE_BATCH_BOUND * max(idle), (
+        f"slowest chat {max(beside) * 1000:.0f} ms beside the batch ({progress.request_counts}), "
+        f"{max(idle) * 1000:.0f} ms idle; beside {[round(t * 1000) for t in beside]} ms, "
+        f"idle {[round(t * 1000) for t in idle]} ms")
     done = wait_for(oai, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=600)
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 200, 0)
     answers = output_lines(oai, done.output_file_id)

@@ -1,7 +1,9 @@
 """Fair admission between tenants (issue 29): the scheduler over hand-built sequences. Weighted
-token shares over many steps, a newcomer admitted ahead of a flood's backlog, no credit banked
-while idle, priority classes first, and preemption of a running job for a strictly more urgent
-class only; GENQ_TENANT_WEIGHTS reaching the generator's scheduler."""
+token shares over many steps, a newcomer admitted ahead of a flood's backlog and prefilled in a
+step of its own (a new tenant, or a more urgent class; never two such steps in a row, never
+ahead of a more urgent running class), no credit
+banked while idle, priority classes first, and preemption of a running job for a strictly more
+urgent class only; GENQ_TENANT_WEIGHTS and GENQ_NEWCOMER_FIRST reaching the generator's scheduler."""
 
 from __future__ import annotations
 
@@ -96,6 +98,86 @@ def test_a_newcomer_takes_the_next_free_slot_ahead_of_a_flood_backlog():
     assert started == [newcomer]  # the first slot freed goes to it, not to the 48 older flood jobs
 
 
+def busy_with_flood(s: Scheduler, jobs: Jobs, running: int = 3) -> list[Sequence]:
+    """`running` flood jobs decoding, more of them waiting for a slot."""
+    flood = [jobs.make("flood", max_new_tokens=40) for _ in range(running)]
+    for sequence in flood:
+        s.add(sequence)
+    step(s)
+    step(s)
+    return flood
+
+
+def tenants_of(out: SchedulerOutput) -> list[str | None]:
+    return [item.sequence.job.tenant for item in out.scheduled]
+
+
+def test_a_newcomer_is_prefilled_in_a_step_of_its_own_then_decodes_beside_the_flood():
+    s = scheduler(max_batch_size=4)
+    jobs = Jobs()
+    busy_with_flood(s, jobs)
+    newcomer = jobs.make("newcomer", prompt=9)
+    s.add(newcomer)
+    out = step(s)
+    assert out.started == (newcomer,) and tenants_of(out) == ["newcomer"]  # the flood's rows skip it
+    assert out.scheduled[0].num_tokens == 9 and out.scheduled[0].samples
+    assert sorted(map(str, tenants_of(step(s)))) == ["flood", "flood", "flood", "newcomer"]
+
+
+def test_without_newcomer_first_the_newcomers_prefill_shares_the_flood_step():
+    s = scheduler(max_batch_size=4, newcomer_first=False)
+    jobs = Jobs()
+    busy_with_flood(s, jobs)
+    newcomer = jobs.make("newcomer")
+    s.add(newcomer)
+    out = step(s)
+    assert out.started == (newcomer,) and tenants_of(out) == ["flood", "flood", "flood", "newcomer"]
+
+
+def test_newcomer_steps_never_follow_each_other_so_running_jobs_keep_decoding():
+    s = scheduler(max_batch_size=64)
+    jobs = Jobs()
+    flood = busy_with_flood(s, jobs)
+    decoded = []
+    for i in range(10):  # a new tenant arrives before every step
+        s.add(jobs.make(f"newcomer{i}"))
+        decoded.append(flood[0] in [item.sequence for item in step(s).scheduled])
+    assert decoded == [False, True] * 5
+
+
+def test_a_newcomer_of_a_less_urgent_class_waits_for_a_mixed_step():
+    s = scheduler(max_batch_size=4)
+    jobs = Jobs()
+    busy_with_flood(s, jobs)
+    batch_line = jobs.make("batch", priority=5)
+    s.add(batch_line)
+    out = step(s)
+    assert out.started == (batch_line,) and len(out.scheduled) == 4  # admitted beside the decodes
+
+
+def test_a_more_urgent_class_gets_a_step_of_its_own_even_from_a_tenant_that_runs_jobs():
+    s = scheduler(max_batch_size=4)
+    jobs = Jobs()
+    lines = [jobs.make(None, max_new_tokens=40, priority=9) for _ in range(3)]  # a batch's lines
+    for sequence in lines:
+        s.add(sequence)
+    step(s)
+    interactive = jobs.make(None, priority=0)
+    s.add(interactive)
+    out = step(s)
+    assert out.started == (interactive,) and [item.sequence for item in out.scheduled] == [interactive]
+
+
+def test_a_tenant_that_already_runs_gets_no_step_of_its_own():
+    s = scheduler(max_batch_size=4)
+    jobs = Jobs()
+    busy_with_flood(s, jobs)
+    more = jobs.make("flood")
+    s.add(more)
+    out = step(s)
+    assert out.started == (more,) and len(out.scheduled) == 4
+
+
 def test_time_spent_idle_is_no_credit():
     s = scheduler(max_batch_size=3)
     jobs = Jobs()
@@ -172,11 +254,12 @@ def test_tenant_weights_out_of_bounds_are_refused_naming_the_tenant_and_the_limi
         FairQueue({"a b": 1.0})
 
 
-def test_the_workers_tenant_weights_reach_the_generators_scheduler(llama_dir: Path):
-    config = Settings(tenant_weights="acme=2, globex=0.5").engine_config()
+def test_the_workers_tenant_weights_and_newcomer_first_reach_the_generators_scheduler(llama_dir: Path):
+    config = Settings(tenant_weights="acme=2, globex=0.5", newcomer_first=False).engine_config()
     assert config.scheduler.tenant_weights == {"acme": 2.0, "globex": 0.5}
     generator = Generator.from_pretrained(llama_dir, config=config, cache_tokens=256)
     assert generator.scheduler.waiting.weights == {"acme": 2.0, "globex": 0.5}
+    assert not generator.scheduler.newcomer_first and Settings().engine_config().scheduler.newcomer_first
     with pytest.raises(ValueError, match=r"GENQ_TENANT_WEIGHTS: 'acme' is not NAME=WEIGHT"):
         Settings(tenant_weights="acme")
 

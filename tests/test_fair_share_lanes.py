@@ -28,12 +28,14 @@ QUEUE = "genq-fair"
 LANES = 4
 FLOOD, INTERACTIVE = "flood", "interactive"
 FLOOD_TASKS, INTERACTIVE_TASKS = 200, 20
-LOADED_BOUND = 6
-"""The issue asks for 2x, which the median meets here. On the shared 2-core machine the tests run
-on, the p99 of 20 first chunks moves by 2-4x with the machine's load alone (the idle p99 ranged
-from 19 to 75 ms between runs, the flood's from 1.6x to 4.4x of it), so this bound guards against
-a regression, not the issue's figure: the shared queue measures 80-220x (the backlog). The
-reserved slot is checked as such (the flood's lane never holds it). bench/fairness.py measures
+LOADED_BOUND = 5
+"""The issue asks for 2x, which most runs meet here. On the shared 2-core machine the tests run
+on, the p99 of 20 first chunks moves by 2-4x with the machine's load alone: with newcomer steps
+(the default) seven runs at load average 8 to 11 measured 1.1x to 3.8x (median 1.6x; idle p99 43
+to 179 ms), a dozen runs before them (mixed steps) 1.6x to 4.4x. So this bound guards against a
+regression with a margin over the worst run seen, not the issue's figure: the shared queue
+measures 80-220x (the backlog). The reserved slot is checked as such (the flood's lane never holds
+it; with GENQ_LANE_RESERVE=0 it holds every slot and the check fails). bench/fairness.py measures
 the ratio (docs/benchmarks.md, Fair share under a flood)."""
 
 

@@ -118,6 +118,11 @@ class Settings(ClientSettings):
         default_factory=dict,
         description="fair share between tenants: a named tenant's weight in the engine's admission, as "
                     "NAME=WEIGHT,... (e.g. a=2,b=1); other tenants weigh 1 (docs/engine.md, Fair share)")
+    newcomer_first: bool = Field(
+        default=True,
+        description="fair share between tenants: a tenant with nothing running (or a more urgent priority than "
+                    "every running job) gets its first prefill in an engine step of its own, ahead of the running "
+                    "jobs' next token (docs/engine.md, Fair share)")
     lane_reserve: int = Field(
         default=1, ge=0,
         description="with tenant lanes on (GENQ_TENANT_LANES): task slots no single queue or lane may take, kept "
