@@ -77,3 +77,19 @@ def test_a_failed_task_counts_nothing_and_frees_its_keys_slot(redis_url: str, re
     assert not redis_client.exists(reservation(prefix, "first"))
     assert counts(redis_client, prefix, "failing", since) == {}
     assert asyncio.run(admit("second")) == ""
+
+
+def test_a_final_event_counts_once_when_redis_has_not_loaded_the_settlement_script(redis_client: redis.Redis):
+    """The pipeline sends the settlement as a bare EVALSHA (no SCRIPT EXISTS round trip before it):
+    a Redis without the script (just restarted, or this worker's first final event) runs it anyway."""
+    prefix, since = f"noscript-{uuid.uuid4().hex[:8]}", time.time()
+    seen: list[tuple[str, Usage]] = []
+    publisher = Publisher(redis_client, prefix, stream_maxlen=100, stream_ttl_s=60,
+                          on_usage=lambda tenant, usage: seen.append((tenant, usage)))
+    usage = Usage(prompt_tokens=3, completion_tokens=5)
+    for identifier in ("task-a", "task-b"):
+        redis_client.script_flush()
+        publisher.publish([done(identifier, usage)], tenants={identifier: "t-flushed"})
+    assert counts(redis_client, prefix, "t-flushed", since) == {"prompt_tokens": 6, "completion_tokens": 10,
+                                                                "cached_tokens": 0, "requests": 2}
+    assert [tenant for tenant, _ in seen] == ["t-flushed", "t-flushed"]

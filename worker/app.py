@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from celery import Celery
 from kombu.serialization import register
 from kombu.utils.json import loads as json_loads
@@ -12,6 +14,7 @@ from kombu.utils.json import loads as json_loads
 from producer.routing import task_router
 from producer.settings import celery_base_config
 from worker import bootsteps
+from worker.broker import SCHEMES, TRANSPORT
 from worker.lane_cycle import LANE_POLL_S, lane_cycle
 from worker.pacing import paced_result_json
 from worker.settings import Settings
@@ -37,6 +40,9 @@ def create_app(settings: Settings | None = None) -> Celery:
         config["broker_transport_options"].update(
             queue_order_strategy=lane_cycle(settings.concurrency, settings.lane_reserve), polling_interval=LANE_POLL_S
         )
+    if urlsplit(settings.broker.split(";")[0]).scheme in SCHEMES:
+        # kombu's Redis transport, sharing one client per channel (worker/broker.py); a Sentinel keeps kombu's own.
+        config["broker_transport"] = TRANSPORT
     register(PACED_JSON, paced_result_json, json_loads, content_type="application/json", content_encoding="utf-8")
     app.conf.update(
         config,

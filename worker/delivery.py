@@ -21,7 +21,7 @@ from celery import Task, states
 
 from producer.protocol import IDENTIFIER_RE, TASK_NAME, ProtocolError, validate_task_id
 from worker import runtime as runtime_module
-from worker.redelivery import LEASE_S, finished, with_redis_retries
+from worker.redelivery import LEASE_S, finished
 
 ENGINE_READY_TIMEOUT_S = 600.0
 log = logging.getLogger(__name__)
@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Run:
-    """Generate it: this task now holds the identifier's lease."""
+    """Generate it: this task now holds the identifier's lease and has begun the request's `attempt`."""
 
     identifier: str
+    attempt: int
+    cancel_requested: bool
 
 
 @dataclass(frozen=True)
@@ -93,15 +95,15 @@ def decide(task: Task, kwargs: dict[str, Any]) -> Decision:
         # running attempt's result stands.
         log.warning("request %r redelivered while still generating here; ignoring the duplicate", identifier)
         return Ignore("duplicate of a running task")
-    published = with_redis_retries(lambda: runtime.publisher.final_result(task_id), "final result")
-    if published is not None:
+    claim = runtime.redeliveries.claim(identifier, task_id,
+                                       lambda: identifier in runtime.loop.active_identifiers())
+    if claim.final is not None:
         log.warning("task %s delivered again after its final event; answering with that result", task_id)
-        return Answer(result=published)
-    holder = runtime.redeliveries.take_lease(identifier, task_id)
-    if holder == task_id:
+        return Answer(result=claim.final)
+    if claim.holder == task_id:
         log.warning("task %s delivered again while another worker runs it; checking again in %d s", task_id,
                     LEASE_S)
         return Defer(identifier)
-    if holder is not None or identifier in runtime.loop.active_identifiers():
+    if claim.holder is not None or claim.active:
         return Answer(error=f"identifier: {identifier!r} is already generating")
-    return Run(identifier)
+    return Run(identifier, claim.attempt, claim.cancel_requested)

@@ -30,13 +30,11 @@ admitted it with one) in the hourly usage hashes, and what its admission reserve
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import redis
 
@@ -103,14 +101,16 @@ class Publisher:
                 keys = settlement.keys(self.key_prefix, hour)
                 args = settlement.args(hour, self.usage_retention_s, self.stream_ttl_s)
                 settled[len(pipe)] = (settlement, keys, args)
-                self._settle(keys=keys, args=args, client=pipe)
+                # EVALSHA alone: the script object would make the pipeline ask SCRIPT EXISTS first,
+                # a round trip more per final event; a script not loaded yet is run below.
+                pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
         for task_id, result in (finals or {}).items():
             pipe.set(final_key(task_id, self.key_prefix), result, ex=self.final_ttl_s)
         replies = pipe.execute(raise_on_error=False)
         for index, reply in enumerate(replies):
             if isinstance(reply, redis.exceptions.NoScriptError) and index in settled:
-                # Redis restarted between the pipeline loading the script and running it: once
-                # more on its own (the call loads the script again).
+                # Not loaded yet (this worker's first final event, or Redis restarted): once more
+                # on its own (the call loads the script).
                 _, keys, args = settled[index]
                 replies[index] = self._settle(keys=keys, args=args)
             elif isinstance(reply, redis.ResponseError) and not _already_added(reply):
@@ -118,11 +118,6 @@ class Publisher:
         for index, (settlement, _, _) in settled.items():
             if replies[index] == 1 and settlement.usage is not None and self.on_usage is not None:
                 self.on_usage(settlement.tenant_name, settlement.usage)
-
-    def final_result(self, task_id: str) -> dict[str, Any] | None:
-        """The result this task's final event was published with, if any."""
-        stored = self.client.get(final_key(task_id, self.key_prefix))
-        return json.loads(stored) if stored is not None else None
 
     def forget_final(self, task_id: str) -> None:
         """Drop a task's final record once the result backend holds its result (a redelivery

@@ -80,7 +80,7 @@ class Runtime:
             metrics.watch(loop.stats)
             metrics.serve(settings.metrics_port, settings.metrics_address)
             log.info("Prometheus metrics on http://%s:%d/metrics", settings.metrics_address, settings.metrics_port)
-        redeliveries = Redeliveries(client, settings.key_prefix)
+        redeliveries = Redeliveries(client, settings.key_prefix, settings.stream_ttl_s)
         card = CardPublisher(client, settings.key_prefix, settings.queue, node,
                              *describe(generator, card_model(settings.model, settings.synthetic_rate)))
         card.heartbeat()

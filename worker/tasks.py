@@ -27,7 +27,6 @@ from worker.images import decode_images, prepare_images
 from worker.jobs import build_job
 from worker.loop import ShuttingDown, Submission
 from worker.publisher import Publisher
-from worker.redelivery import with_redis_retries
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +59,15 @@ def generate(self: Task, *parents: Any, **kwargs: Any) -> dict[str, Any]:
         return decision.result
     runtime = runtime_module.current(timeout=delivery.ENGINE_READY_TIMEOUT_S)
     try:
-        return _run(self, runtime, decision.identifier, parents, kwargs)
+        return _run(self, runtime, decision, parents, kwargs)
     finally:
         runtime.redeliveries.release_lease(decision.identifier, self.request.id)
 
 
-def _run(self: Task, runtime: runtime_module.Runtime, identifier: str, parents: tuple[Any, ...],
+def _run(self: Task, runtime: runtime_module.Runtime, decision: delivery.Run, parents: tuple[Any, ...],
          kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Parse, build the job, submit it, wait: the delivery is this task's to run."""
-    attempt, cancel_requested = with_redis_retries(lambda: runtime.publisher.begin_attempt(identifier), "attempt")
+    """Parse, build the job, submit it, wait: the delivery is this task's to run (decide() began its attempt)."""
+    identifier, attempt, cancel_requested = decision.identifier, decision.attempt, decision.cancel_requested
     try:
         request = GenerationRequest.parse_payload(chained_payload(kwargs, parents))
         images = decode_images(request, runtime.card.card.images)
