@@ -7,6 +7,7 @@ here, above them."""
 from __future__ import annotations
 
 from collections.abc import Container
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,31 @@ class StepBatch:
         else:
             tokens, logprobs = (sampled.tolist() if sampled is not None else []), {}
         return Drawn(tokens, logprobs, scored.to_host() if scored is not None else {})
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A launched step: its batch, and the future of its forward and sampling."""
+
+    work: Future[Drawn]
+    batch: StepBatch
+
+
+class StepLauncher:
+    """Where a step's device work runs: here, or with overlap on a worker thread, so that the step's
+    caller produces the previous step's text while this one's forward and sampling run (as vLLM's
+    output processing runs beside the next forward)."""
+
+    def __init__(self, runner: ModelRunner, sampler: BatchSampler, overlap: bool) -> None:
+        self.runner, self.sampler = runner, sampler
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if overlap else None
+
+    def launch(self, batch: StepBatch) -> Launched:
+        if self._executor is not None:
+            return Launched(self._executor.submit(batch.run, self.runner, self.sampler), batch)
+        work: Future[Drawn] = Future()
+        work.set_result(batch.run(self.runner, self.sampler))
+        return Launched(work, batch)
 
 
 @dataclass
