@@ -71,6 +71,19 @@ class StepBatch:
         for item in scheduled:
             sequence = item.sequence
             draft = drafts.get(sequence.serial, []) if drafts else []
+            if item.num_tokens == 1 and item.samples and not draft and sequence.job.prompt_logprobs is None:
+                # a decode row (nearly every row of a decode step): BatchRow.scheduled and
+                # SampleRow.next_token, inline
+                start = sequence.num_computed
+                rows.append(BatchRow(sequence, start, (sequence.token_ids[start],), 1))
+                sample_at.append(logits_rows)
+                logits_rows += 1
+                sampled.append(SampledJob(sequence, len(samples), draft))
+                samples.append(SampleRow(sequence, states[sequence.serial],
+                                         len(sequence.token_ids) - sequence.num_prompt_tokens))
+                if start < sequence.num_prompt_tokens:
+                    prompt_tokens += 1
+                continue
             row = BatchRow.scheduled(item, draft)
             rows.append(row)
             if sequence.scores_prompt:
@@ -151,11 +164,25 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
     fails its job alone, its batch neighbours go on."""
     tokens, logprobs = drawn.tokens, drawn.logprobs
     taken = Taken()
+    appended = taken.appended
     for job in sampled:
         sequence, first, draft = job.sequence, job.first, job.draft
         serial = sequence.serial
         state = states.get(serial)
         if state is None or serial in decided:
+            continue
+        if not draft and state.constraint is None and not logprobs and tokens[first] >= 0:
+            # append_tokens for one plain token, inline: the case of nearly every job in a decode step
+            token = tokens[first]
+            generated = len(sequence.token_ids) - sequence.num_prompt_tokens + 1
+            limits = sequence.job
+            sequence.token_ids.append(token)
+            sequence.output_ids.append(token)
+            taken.generated += 1
+            appended.append(StepTokens(sequence, [token]))
+            if generated >= limits.max_new_tokens or (token in state.stop_token_ids
+                                                      and generated >= limits.min_new_tokens):
+                taken.ended.append(sequence)
             continue
         emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
         if emitted[-1] < 0:
