@@ -238,10 +238,9 @@ class ModelRunner:
     def release(self, serial: int) -> None:
         self.builder.release(serial)
 
-    def forward(self, rows: Seq[BatchRow]) -> torch.Tensor:
-        """The main model over the rows -> fp32 logits of the positions asked for; the
-        draft model (if any) computes its K/V for the same positions in the same step."""
-        batch = self.builder.build(rows)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The main model over the rows (self.builder.build's batch) -> fp32 logits of the positions
+        asked for; the draft model (if any) computes its K/V for the same positions in the same step."""
         model = _bound(self.model, self.cache)
         graphed = self.graphs is not None and batch.lora is None and self.graphs.supports(batch)
         logits = self.graphs.run(batch) if graphed and self.graphs is not None else model(batch)

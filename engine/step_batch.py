@@ -6,12 +6,14 @@ here, above them."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Container
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.batch import ForwardBatch
 from engine.batch_sampler import BatchSampler
 from engine.model_runner import BatchRow, ModelRunner
 from engine.output_processor import StepTokens
@@ -102,9 +104,9 @@ class StepBatch:
         return cls(rows, samples, sampled, prompts, picked, prompt_tokens)
 
     @torch.inference_mode()
-    def run(self, runner: ModelRunner, sampler: BatchSampler) -> Drawn:
-        """The device work of a step (forward, prompt scoring, sampling) and its one read-back."""
-        logits = runner.forward(self.rows)
+    def run(self, runner: ModelRunner, sampler: BatchSampler, inputs: ForwardBatch) -> Drawn:
+        """The device work of a step (forward over its inputs, prompt scoring, sampling) and its one read-back."""
+        logits = runner.forward(inputs)
         scored = ScoredPrompts.compute(logits, self.prompts) if self.prompts else None
         if self.sample_at is not None:
             logits = logits[torch.tensor(self.sample_at, dtype=torch.long).to(logits.device, non_blocking=True)]
@@ -135,10 +137,24 @@ class StepLauncher:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if overlap else None
 
     def launch(self, batch: StepBatch) -> Launched:
+        """The forward's inputs are built here, on the step's thread: with overlap the worker thread
+        then only waits for the device and samples, and does not queue for the GIL behind the text
+        of the previous step before its forward can start."""
+        inputs = self.runner.builder.build(batch.rows)
         if self._executor is not None:
-            return Launched(self._executor.submit(batch.run, self.runner, self.sampler), batch)
+            started = threading.Event()
+
+            def run() -> Drawn:
+                started.set()
+                return batch.run(self.runner, self.sampler, inputs)
+
+            launched = Launched(self._executor.submit(run), batch)
+            # Hand the GIL to the worker until its forward is under way: otherwise it waits for the
+            # interpreter's switch interval (5 ms) while the caller produces the previous step's text.
+            started.wait()
+            return launched
         work: Future[Drawn] = Future()
-        work.set_result(batch.run(self.runner, self.sampler))
+        work.set_result(batch.run(self.runner, self.sampler, inputs))
         return Launched(work, batch)
 
 
