@@ -37,6 +37,17 @@ thread, so time a neighbour takes from the machine while the thread waits for a
 core is not counted, and runs on a shared machine compare far better (cache and
 memory-bandwidth contention still count).
 
+With --synthetic-forward-ms F the model's forward is a stand-in (SyntheticForward, in this
+script only) that waits F ms with the GIL released, as a GPU forward's host thread waits for the
+device, and returns fixed random logits (stop tokens masked, so no job ends); the scheduler, batch
+building, sampler and text are the engine's own. Two generators, overlap off and on, are measured
+point by point side by side in one run at 64 and 256 jobs, in wall time (a wait takes no CPU):
+  step_ms     iterate() wall time
+  host_excl_sampler_ms  step_ms minus forward_ms minus sampler_ms: the host time the step adds
+              beyond its device work (the forward and the sampler's tensor ops, device work on a
+              GPU), i.e. what the GPU would wait for
+The two are stored as LABEL:overlap-off and LABEL:overlap-on.
+
 To measure an older engine with this script, put its checkout first on
 PYTHONPATH (`git archive REV | tar -x -C DIR`; PYTHONPATH=DIR) and pass
 --label: the sampler timer falls back to engine.generator.sample there.
@@ -54,6 +65,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +73,7 @@ import matplotlib
 import torch
 from bench_common import (
     RESULTS_DIR,
+    bench_parser,
     ensure_model,
     load_average,
     progress,
@@ -73,11 +86,17 @@ from bench_common import (
 
 import engine.generator
 from engine import Generator, Job, SamplerSettings
+from engine.batch import ForwardBatch
+from engine.synthetic import word_tokens
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 BATCHES = (1, 64, 256)
+SYNTHETIC_BATCHES = (64, 256)
+SYNTHETIC_LOGITS = 8
+WORD_BOOST = 4.0
+"""Added to the word tokens' logits (standard normal elsewhere): greedy and top-k 50 draw words."""
 SETTINGS = {
     "greedy": SamplerSettings.greedy(),
     "sampled": SamplerSettings(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1),
@@ -89,7 +108,8 @@ _clock = "wall"  # set from --clock before anything is timed
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "10 measured steps; writes host_overhead_quick.*",
+                          "About 30 s on the tiny model (--synthetic-forward-ms: about a minute).")
     parser.add_argument("--label", default="current", help="name this run is stored under in the JSON")
     parser.add_argument("--preset", default="tiny", help="tiny-model preset (default: tiny, ~5M parameters)")
     parser.add_argument("--steps", type=int, default=50, help="measured decode steps per point")
@@ -98,11 +118,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", action="store_true",
                         help="Generator(overlap=True): the forward runs on a worker thread while the previous "
                              "step's text and results are produced; host_ms is then the host time left exposed")
-    parser.add_argument("--quick", action="store_true", help="10 measured steps; writes host_overhead_quick.*")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="wall: perf_counter; cpu: this thread's CPU time (a shared machine's load counts less)")
+    parser.add_argument("--synthetic-forward-ms", type=float, default=None, metavar="F",
+                        help="a forward that waits F ms with the GIL released (a GPU's, e.g. 10-15); measures "
+                             "overlap off and on side by side, in wall time")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and (args.overlap or args.synthetic_forward_ms is not None):
+        parser.error("--clock cpu times one thread; with overlap the forward and sampling run on another")
+    return args
+
+
+@dataclass
+class SyntheticForward:
+    """The model's forward replaced by a wait of fixed duration that releases the GIL (time.sleep),
+    as the host thread of a GPU forward waits for the device. It returns one of a few fixed random
+    logits tensors in turn (a copy: the sampler edits logits in place) in which the vocabulary's
+    ordinary word tokens (engine/synthetic.py) stand out, so the jobs write words, as a trained model
+    does, rather than the byte tokens a random model favours; stop tokens are masked, so no job ends.
+    A bench device: the engine never has it."""
+
+    seconds: float
+    logits: list[torch.Tensor]
+    calls: int = 0
+
+    @classmethod
+    def install(cls, gen: Generator, milliseconds: float) -> None:
+        vocab = gen.model.config.vocab_size
+        words = word_tokens(gen.tokenizer, vocab)
+        source = torch.Generator().manual_seed(0)
+        logits = [torch.randn(gen.max_batch_size, vocab, generator=source) for _ in range(SYNTHETIC_LOGITS)]
+        for each in logits:
+            each[:, words] += WORD_BOOST
+            each[:, sorted(gen.tokenizer.eos_token_ids)] = float("-inf")
+        gen.model.forward = cls(milliseconds / 1e3, logits)  # type: ignore[method-assign]
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        time.sleep(self.seconds)
+        self.calls += 1
+        return self.logits[self.calls % len(self.logits)][: batch.logits_indices.numel()].clone()
 
 
 class ForwardTimer:
@@ -170,6 +225,7 @@ def measure(gen: Generator, timer: ForwardTimer, sampler: CallTimer, num_jobs: i
     host: list[float] = []
     forward: list[float] = []
     sampling: list[float] = []
+    step: list[float] = []
     for _ in range(steps):
         timer.total = sampler.total = 0.0
         start = CLOCKS[_clock]()
@@ -180,6 +236,7 @@ def measure(gen: Generator, timer: ForwardTimer, sampler: CallTimer, num_jobs: i
         forward.append(timer.total)
         sampling.append(sampler.total)
         host.append(elapsed - timer.total)
+        step.append(elapsed)
     for job in jobs:
         gen.cancel(job)
     while gen.num_remaining_jobs():
@@ -196,6 +253,10 @@ def measure(gen: Generator, timer: ForwardTimer, sampler: CallTimer, num_jobs: i
         "host_excl_sampler_ms": _ms(statistics.median([h - s for h, s in zip(host, sampling)])),
         "host_per_job_us": round(statistics.median(host) / num_jobs * 1e6, 2),
         "host_over_forward": round(statistics.median(host) / statistics.median(forward), 3),
+        "step_ms": _ms(statistics.median(step)),
+        # the fastest tenth: on a loaded machine, closer to what the step costs when nothing preempts it
+        "step_p10_ms": _ms(_p10(step)),
+        "host_excl_sampler_p10_ms": _ms(_p10([h - s for h, s in zip(host, sampling)])),
     }
 
 
@@ -207,60 +268,83 @@ def _p90(values: list[float]) -> float:
     return sorted(values)[int(0.9 * (len(values) - 1))]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _p10(values: list[float]) -> float:
+    return sorted(values)[int(0.1 * (len(values) - 1))]
+
+
+def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The runs to store, by label: one, or with --synthetic-forward-ms overlap off and on."""
     global _clock
     _clock = args.clock
     machine = start_run(args.threads)
     path = ensure_model(args.preset)
     steps = 10 if args.quick else args.steps
     cache_tokens = max(BATCHES) * (PROMPT_TOKENS + steps + args.warmup + 16)
-    options = {"overlap": True} if args.overlap else {}  # engines before the overlap option lack it
-    gen = Generator.from_pretrained(path, cache_tokens=cache_tokens, max_batch_size=max(BATCHES), **options)
-    timer = ForwardTimer(gen.model)
-    sampler = sampler_timer(gen)
-    points = []
+    synthetic = args.synthetic_forward_ms
+    overlaps = (False, True) if synthetic is not None else (args.overlap,)
+    labels = [f"{args.label}:overlap-{'on' if o else 'off'}" if synthetic is not None else args.label
+              for o in overlaps]
+    engines = []
+    for overlap in overlaps:
+        options = {"overlap": True} if overlap else {}  # engines before the overlap option lack it
+        gen = Generator.from_pretrained(path, cache_tokens=cache_tokens, max_batch_size=max(BATCHES), **options)
+        if synthetic is not None:
+            SyntheticForward.install(gen, synthetic)
+        engines.append((gen, ForwardTimer(gen.model), sampler_timer(gen)))
+    points: list[list[dict[str, Any]]] = [[] for _ in overlaps]
     for mode in SETTINGS:
-        for num_jobs in BATCHES:
-            progress(f"{args.label}: {mode}, {num_jobs} jobs")
-            points.append(measure(gen, timer, sampler, num_jobs, mode, steps, args.warmup))
-            progress(f"  host {points[-1]['host_ms']} ms, forward {points[-1]['forward_ms']} ms (medians)")
-    return {
+        for num_jobs in SYNTHETIC_BATCHES if synthetic is not None else BATCHES:
+            for label, (gen, timer, sampler), measured in zip(labels, engines, points):
+                progress(f"{label}: {mode}, {num_jobs} jobs")
+                measured.append(measure(gen, timer, sampler, num_jobs, mode, steps, args.warmup))
+                progress(f"  step {measured[-1]['step_ms']} ms, host {measured[-1]['host_ms']} ms, "
+                         f"forward {measured[-1]['forward_ms']} ms (medians)")
+    return {label: {
         "machine": {**machine, "load_average_at_end": load_average()},
         "threads": args.threads,
         "clock": args.clock,
-        "overlap": args.overlap,
+        "overlap": overlap,
+        "synthetic_forward_ms": synthetic,
         "preset": args.preset,
-        "points": points,
-    }
+        "points": measured,
+    } for label, overlap, measured in zip(labels, overlaps, points)}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    labels = list(results["runs"])
+    """One row for the runs with the model's forward, one for those with the synthetic forward."""
+    groups = [[label for label, r in results["runs"].items() if bool(r.get("synthetic_forward_ms")) is synthetic]
+              for synthetic in (False, True)]
+    groups = [labels for labels in groups if labels]
     modes = list(SETTINGS)
-    fig, axes = plt.subplots(1, len(modes), figsize=(8 * len(modes), 5), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
-        for i, label in enumerate(labels):
-            points = [p for p in results["runs"][label]["points"] if p["mode"] == mode]
-            xs, width = side_by_side(len(points), len(labels), i)
-            bottom = [0.0] * len(points)
-            for key, part, alpha in (("host_excl_sampler_ms", "host", 1.0), ("sampler_ms", "sampler", 0.6),
-                                     ("forward_ms", "forward", 0.3)):
-                values = [p[key] for p in points]
-                ax.bar(xs, values, width, bottom=bottom, alpha=alpha, label=f"{label}: {part}")
-                bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_xticks(range(len(BATCHES)), [f"{n} jobs" for n in BATCHES])
-        ax.set_title(f"{mode}: median decode step (host, sampler, forward stacked)")
-        ax.set_ylabel("ms per decode step")
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: one entry per run and part
+    fig, axes = plt.subplots(len(groups), len(modes), figsize=(8 * len(modes), 5 * len(groups)), squeeze=False)
+    for row, labels in zip(axes, groups):
+        batches = sorted({p["jobs"] for label in labels for p in results["runs"][label]["points"]})
+        for ax, mode in zip(row, modes):
+            for i, label in enumerate(labels):
+                points = [p for p in results["runs"][label]["points"] if p["mode"] == mode]
+                xs, width = side_by_side(len(batches), len(labels), i)
+                xs = [xs[batches.index(p["jobs"])] for p in points]
+                bottom = [0.0] * len(points)
+                for key, part, alpha in (("host_excl_sampler_ms", "host", 1.0), ("sampler_ms", "sampler", 0.6),
+                                         ("forward_ms", "forward", 0.3)):
+                    values = [p[key] for p in points]
+                    ax.bar(xs, values, width, bottom=bottom, alpha=alpha, label=f"{label}: {part}")
+                    bottom = [b + v for b, v in zip(bottom, values)]
+            ax.set_xticks(range(len(batches)), [f"{n} jobs" for n in batches])
+            forward = "synthetic forward" if results["runs"][labels[0]].get("synthetic_forward_ms") else "forward"
+            ax.set_title(f"{mode}: median decode step (host, sampler, {forward} stacked)")
+            ax.set_ylabel("ms per decode step")
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: one entry per run and part
     save_figure(fig, path)
 
 
 def table(results: dict[str, Any]) -> str:
     return "\n".join(table_lines(
         ["run", "mode", "jobs", "host ms/step", "host p90", "of which sampler", "host excl. sampler", "forward ms/step",
-         "host / forward", "host per job (µs)"], "llrrrrrrrr",
+         "step ms", "host / forward", "host per job (µs)"], "llrrrrrrrrr",
         [[label, p["mode"], p["jobs"], *(f"{p[key]:.2f}" for key in ("host_ms", "host_p90_ms", "sampler_ms",
                                                                       "host_excl_sampler_ms", "forward_ms")),
+          f"{p['step_ms']:.2f}" if "step_ms" in p else "",
           f"{p['host_ms'] / p['forward_ms']:.2f}", f"{p['host_per_job_us']:.1f}"]
          for label, run_result in results["runs"].items() for p in run_result["points"]]))
 
@@ -272,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     results: dict[str, Any] = {"method": __doc__, "runs": {}}
     if existing.exists():
         results["runs"] = json.loads(existing.read_text()).get("runs", {})
-    results["runs"][args.label] = run(args)
+    results["runs"].update(run(args))
     write_results(results, args.out, "host_overhead", args.quick, plot, table)
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +109,58 @@ class Preparing:
 
     def overdue(self, now: float, budget: ConstraintBudget) -> bool:
         return self.started is not None and now - self.started > budget.compile_timeout_s
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A constrained job whose grammar start ended: its sampling state, or why it failed."""
+
+    serial: int
+    state: SamplingState | None
+    error: str | None = None
+
+
+class PreparingJobs:
+    """Constrained jobs whose grammar is being started, in the order they came: the step polls
+    them, so a slow grammar never holds up the engine loop."""
+
+    def __init__(self, setup: JobSetup) -> None:
+        self.setup = setup
+        self._jobs: dict[int, Preparing] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, serial: int, constraint: Constraint, seed: int, stop_ids: frozenset[int]) -> None:
+        self._jobs[serial] = self.setup.prepare(constraint, seed, stop_ids)
+
+    def discard(self, serial: int) -> None:
+        self._jobs.pop(serial, None)
+
+    def started(self, now: float) -> list[Started]:
+        """The jobs whose grammar started, failed or overran its compile budget (they leave)."""
+        budget = self.setup.budget
+        out: list[Started] = []
+        for serial, preparing in list(self._jobs.items()):
+            if preparing.future.done():
+                del self._jobs[serial]
+                try:
+                    state = preparing.future.result()
+                except Exception as error:  # noqa: BLE001 - a grammar that cannot start fails its job alone
+                    out.append(Started(serial, None, str(error) if isinstance(error, JobRejected)
+                                       else f"constraint: {error}"))
+                    continue
+                out.append(Started(serial, self.setup.sampling_state(preparing.seed, preparing.stop_ids, state,
+                                                                     None)))
+            elif preparing.overdue(now, budget):
+                del self._jobs[serial]
+                out.append(Started(serial, None, f"constraint: the grammar took longer than "
+                                                 f"{budget.compile_timeout_s:g} s to compile (compile_timeout_s)"))
+        return out
+
+    def wait(self, timeout: float) -> None:
+        """Block until one grammar start ends, at most timeout seconds."""
+        wait([p.future for p in self._jobs.values()], timeout, FIRST_COMPLETED)
 
 
 class JobSetup:

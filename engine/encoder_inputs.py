@@ -9,10 +9,21 @@ job's images are encoded on their own, so that a job whose images cannot be enco
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from engine.embeddings import DeferredEmbedding, DeferredEncoder
-from engine.scheduler import ScheduledSequence
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+
+
+def encode_step(schedule: SchedulerOutput) -> tuple[SchedulerOutput, dict[int, str]]:
+    """Encode what the step's prompt chunks need: the step without the jobs whose embeddings failed,
+    and serial -> error for those (each ends alone)."""
+    failed = encode_scheduled(schedule.scheduled)
+    if not failed:
+        return schedule, failed
+    return replace(schedule, scheduled=tuple(i for i in schedule.scheduled if i.sequence.serial not in failed),
+                   started=tuple(s for s in schedule.started if s.serial not in failed)), failed
 
 
 def encode_scheduled(scheduled: Seq[ScheduledSequence]) -> dict[int, str]:

@@ -21,19 +21,17 @@ import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.admission import JobSetup, Limits, Preparing, admit
+from engine.admission import JobSetup, Limits, PreparingJobs, admit
 from engine.batch_sampler import BatchSampler
 from engine.cache import KVCache, PagePool
-from engine.encoder_inputs import encode_scheduled
+from engine.encoder_inputs import encode_step
 from engine.engine_config import EngineConfig, resolve_limits
-from engine.errors import JobRejected, QueueFull
+from engine.errors import QueueFull
 from engine.job import Job
 from engine.kv_manager import KVManager
 from engine.loading import check_draft_pair, load_engine
@@ -48,7 +46,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode import Drafter
 from engine.stats import GeneratorStats, StepCounters, collect
-from engine.step_batch import Drawn, StepBatch, take_tokens
+from engine.step_batch import Launched, StepBatch, StepLauncher, take_tokens
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -57,14 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PREPARE_POLL_S = 0.05
 """With nothing to run but grammars being started, iterate() waits this long at most for one."""
-
-
-@dataclass(frozen=True)
-class _Step:
-    """A launched step: its batch, and the future of its forward and sampling."""
-
-    work: Future[Drawn]
-    batch: StepBatch
 
 
 class Generator:
@@ -116,12 +106,12 @@ class Generator:
                              self.max_chunk_size)
         self._sequences: dict[int, Sequence] = {}
         self._sampling: dict[int, SamplingState] = {}
-        self._preparing: dict[int, Preparing] = {}  # constrained jobs whose grammar is starting, in order
+        self._preparing = PreparingJobs(self.setup)
         self._next_serial = 0
         self._undelivered: list[EngineOutput] = []
         self._appended: list[StepTokens] = []  # tokens whose text is still to be produced
         self.overlap = config.overlap
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if config.overlap else None
+        self.launcher = StepLauncher(self.runner, self.sampler, config.overlap)
         self._seed_source = random.Random(config.seed)
         self.counters = StepCounters()
         self.vision: ImageEncoder | None = None  # a vision-language model's images -> Embeddings
@@ -196,7 +186,7 @@ class Generator:
         self.outputs.add(sequence, stop_ids, healed)
         self._sequences[serial] = sequence
         if job.constraint is not None:
-            self._preparing[serial] = self.setup.prepare(job.constraint, seed, stop_ids)
+            self._preparing.add(serial, job.constraint, seed, stop_ids)
         else:
             self._sampling[serial] = self.setup.sampling_state(seed, stop_ids, None, healed)
             self.scheduler.add(sequence)
@@ -207,23 +197,12 @@ class Generator:
         one whose grammar failed, or overran its compile budget, ends alone with the reason."""
         if not self._preparing:
             return
-        now = time.monotonic()
-        budget = self.setup.budget
-        for serial, preparing in list(self._preparing.items()):
-            if preparing.future.done():
-                del self._preparing[serial]
-                try:
-                    state = preparing.future.result()
-                except Exception as error:  # noqa: BLE001 - a grammar that cannot start fails its job alone
-                    message = str(error) if isinstance(error, JobRejected) else f"constraint: {error}"
-                    self._end_now(serial, FinishReason.ERROR, message)
-                    continue
-                self._sampling[serial] = self.setup.sampling_state(preparing.seed, preparing.stop_ids, state, None)
-                self.scheduler.add(self._sequences[serial])
-            elif preparing.overdue(now, budget):
-                self._end_now(serial, FinishReason.ERROR,
-                              f"constraint: the grammar took longer than {budget.compile_timeout_s:g} s to compile "
-                              f"(compile_timeout_s)")
+        for started in self._preparing.started(time.monotonic()):
+            if started.state is None:
+                self._end_now(started.serial, FinishReason.ERROR, started.error)
+                continue
+            self._sampling[started.serial] = started.state
+            self.scheduler.add(self._sequences[started.serial])
 
     def warmup(self) -> float:
         """Run every code path of a step once before the first request (prefill, decode, greedy and
@@ -323,35 +302,27 @@ class Generator:
         results += processed.outputs
         self._apply(processed)
         if step is None and not results and self._preparing:
-            wait([p.future for p in self._preparing.values()], PREPARE_POLL_S, FIRST_COMPLETED)
+            self._preparing.wait(PREPARE_POLL_S)
         return results
 
     def _encode_inputs(self, schedule: SchedulerOutput) -> SchedulerOutput:
         """Encode the images the step's prompt chunks need (engine/encoder_inputs.py); a job whose
         images fail ends alone with the error and leaves the step."""
-        failed = encode_scheduled(schedule.scheduled)
-        if not failed:
-            return schedule
+        schedule, failed = encode_step(schedule)
         for serial, message in failed.items():
             self._end_now(serial, FinishReason.ERROR, message)
-        return replace(schedule, scheduled=tuple(i for i in schedule.scheduled if i.sequence.serial not in failed),
-                       started=tuple(s for s in schedule.started if s.serial not in failed))
+        return schedule
 
-    def _launch(self, schedule: SchedulerOutput) -> _Step:
+    def _launch(self, schedule: SchedulerOutput) -> Launched:
         """Propose drafts, then start the forward and the sampling of the step's batch (on the
         overlap thread, or here)."""
         self.counters.steps += 1
         drafts = self.drafter.propose(schedule.scheduled, self._sampling)
         batch = StepBatch.build(schedule.scheduled, drafts, self._sampling)
         self.counters.computed_prompt_tokens += batch.prompt_tokens
-        if self._executor is None:
-            work: Future[Drawn] = Future()
-            work.set_result(batch.run(self.runner, self.sampler))
-        else:
-            work = self._executor.submit(batch.run, self.runner, self.sampler)
-        return _Step(work, batch)
+        return self.launcher.launch(batch)
 
-    def _complete(self, schedule: SchedulerOutput, step: _Step, decided: set[int]) -> None:
+    def _complete(self, schedule: SchedulerOutput, step: Launched, decided: set[int]) -> None:
         """Wait for the step, let each job take its tokens and update the scheduler. Jobs in
         decided (finished or rewound by text produced meanwhile) take nothing from this step."""
         drawn = step.work.result()
@@ -403,12 +374,22 @@ class Generator:
             return False
         if error is not None:
             log.warning("job %r failed inside a step: %s", sequence.job.identifier, error)
-        self._preparing.pop(serial, None)
+        self._preparing.discard(serial)
         self.scheduler.remove(sequence)
         self._release_rows(serial)
         self._sampling.pop(serial, None)
+        self._drop_unprocessed(sequence)
         self._undelivered.append(self.outputs.final(sequence, reason, error=error))
         return True
+
+    def _drop_unprocessed(self, sequence: Sequence) -> None:
+        """With overlap a job's last tokens may still wait for their text when it ends: they go (as
+        vLLM drops a finished request's extra token), so its final result holds what was streamed."""
+        pending = [entry for entry in self._appended if entry.sequence is sequence]
+        if pending:
+            self._appended = [entry for entry in self._appended if entry.sequence is not sequence]
+            keep = len(sequence.output_ids) - sum(len(entry.tokens) for entry in pending)
+            self.counters.generated_tokens -= sequence.rewind(keep)
 
     def _release_rows(self, serial: int) -> None:
         """A sequence left the running batch: free its sampler slot and table row."""

@@ -81,12 +81,34 @@ class BatchBuilder:
 
     def build(self, rows: Seq[BatchRow], adapters: bool = True) -> ForwardBatch:
         """adapters=False leaves out the rows' LoRA adapters (the draft model runs without them)."""
-        table_rows = np.fromiter((self._table_row(row.sequence) for row in rows), dtype=np.int64, count=len(rows))
-        if all(len(row.tokens) == 1 for row in rows) and not any(row.sequence.job.embeddings for row in rows):
-            batch = self._single_token_rows(rows, table_rows)
+        known = self._rows
+        table_rows: list[int] = []
+        starts: list[int] = []
+        firsts: list[int] = []
+        wants: list[int] = []
+        single = True  # every row one token, no embeddings: the vectorised decode build
+        adapted = False
+        for row in rows:  # one pass over the rows: a decode step's host time grows with them
+            sequence = row.sequence
+            entry = known.get(sequence.serial)
+            table_rows.append(entry[0] if entry is not None and entry[1] == sequence.page_version
+                              else self._table_row(sequence))
+            if single:
+                if len(row.tokens) != 1 or sequence.job.embeddings:
+                    single = False
+                else:
+                    starts.append(row.start)
+                    firsts.append(row.tokens[0])
+                    wants.append(row.num_logits)
+            if sequence.adapter is not None:
+                adapted = True
+        table = np.asarray(table_rows, dtype=np.int64)
+        if single:
+            batch = self._single_token_rows(np.asarray(starts, dtype=np.int64), np.asarray(firsts, dtype=np.int64),
+                                            np.asarray(wants, dtype=np.int64), table)
         else:
-            batch = self._general(rows, table_rows)
-        if adapters and any(row.sequence.adapter is not None for row in rows):
+            batch = self._general(rows, table)
+        if adapters and adapted:
             batch.lora = LoraBatch.build(((row.sequence.adapter, len(row.tokens)) for row in rows), self.device,
                                          self.lora_slots)
         return batch
@@ -103,12 +125,10 @@ class BatchBuilder:
             entry[1] = sequence.page_version
         return entry[0]
 
-    def _single_token_rows(self, rows: Seq[BatchRow], table_rows: np.ndarray) -> ForwardBatch:
-        n = len(rows)
+    def _single_token_rows(self, positions: np.ndarray, input_ids: np.ndarray, wants: np.ndarray,
+                           table_rows: np.ndarray) -> ForwardBatch:
+        n = len(positions)
         size = self.page_size
-        positions = np.fromiter((row.start for row in rows), dtype=np.int64, count=n)
-        input_ids = np.fromiter((row.tokens[0] for row in rows), dtype=np.int64, count=n)
-        wants = np.fromiter((row.num_logits for row in rows), dtype=np.int64, count=n)
         slots = self._tables[table_rows, positions // size] * size + positions % size
         context_lens = positions + 1
         width = -(-int(context_lens.max()) // size)
@@ -218,10 +238,9 @@ class ModelRunner:
     def release(self, serial: int) -> None:
         self.builder.release(serial)
 
-    def forward(self, rows: Seq[BatchRow]) -> torch.Tensor:
-        """The main model over the rows -> fp32 logits of the positions asked for; the
-        draft model (if any) computes its K/V for the same positions in the same step."""
-        batch = self.builder.build(rows)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The main model over the rows (self.builder.build's batch) -> fp32 logits of the positions
+        asked for; the draft model (if any) computes its K/V for the same positions in the same step."""
         model = _bound(self.model, self.cache)
         graphed = self.graphs is not None and batch.lora is None and self.graphs.supports(batch)
         logits = self.graphs.run(batch) if graphed and self.graphs is not None else model(batch)

@@ -171,15 +171,45 @@ class OutputProcessor:
         """The text and results of the tokens the step appended; a stop string, stop token,
         max_new_tokens or a complete grammar finishes a job, a banned string rewinds it."""
         step = ProcessedStep()
+        states = self.states
         for entry in appended:
-            state = self.states.get(entry.sequence.serial)
+            state = states.get(entry.sequence.serial)
             if state is not None:
-                result = self._emit(entry, state, now, step)
+                result = self._streamed(entry, state, now, step) or self._emit(entry, state, now, step)
                 if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
                     result.prompt_logprobs = state.prompt_logprobs  # the first result after the prefill
                     state.prompt_logprobs_sent = True
                 step.outputs.append(result)
         return step
+
+    def _streamed(self, entry: StepTokens, state: RequestState, now: float, step: ProcessedStep
+                  ) -> EngineOutput | None:
+        """_emit's result for the common case, one token that is not a stop token, below max_new_tokens,
+        of a job without logprobs, banned strings, healing text or a grammar end (None otherwise,
+        before anything changed): its text through the stop strings alone, without the general
+        path's per-token records."""
+        tokens, job = entry.tokens, state.job
+        if (len(tokens) != 1 or entry.constraint_complete or state.banned_guard is not None or state.heal_pending
+                or job.logprobs or state.constraint_done_at is not None):
+            return None
+        sequence = entry.sequence
+        token = tokens[0]
+        generated = len(sequence.token_ids) - sequence.num_prompt_tokens
+        if generated >= job.max_new_tokens or token in state.stop_token_ids:
+            return None
+        if sequence.time_first_token is None:
+            sequence.time_first_token = now
+        text = state.detokenizer.add(tokens)
+        if state.stop_matcher is not None:
+            text, stop_string = state.stop_matcher.feed(text, generated >= job.min_new_tokens)
+            if stop_string is not None:
+                step.finished.append(Finished(sequence.serial, generated))
+                state.completion.append(text)
+                result = self.final(sequence, FinishReason.STOP_STRING, keep=generated, text=text, token_ids=tokens)
+                result.eos_string = stop_string
+                return result
+        state.completion.append(text)
+        return EngineOutput(job, sequence.serial, job.identifier, Stage.STREAMING, False, text, tokens)
 
     def _emit(self, entry: StepTokens, state: RequestState, now: float, step: ProcessedStep) -> EngineOutput:
         sequence, tokens = entry.sequence, entry.tokens

@@ -6,11 +6,14 @@ here, above them."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Container
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.batch import ForwardBatch
 from engine.batch_sampler import BatchSampler
 from engine.model_runner import BatchRow, ModelRunner
 from engine.output_processor import StepTokens
@@ -70,6 +73,19 @@ class StepBatch:
         for item in scheduled:
             sequence = item.sequence
             draft = drafts.get(sequence.serial, []) if drafts else []
+            if item.num_tokens == 1 and item.samples and not draft and sequence.job.prompt_logprobs is None:
+                # a decode row (nearly every row of a decode step): BatchRow.scheduled and
+                # SampleRow.next_token, inline
+                start = sequence.num_computed
+                rows.append(BatchRow(sequence, start, (sequence.token_ids[start],), 1))
+                sample_at.append(logits_rows)
+                logits_rows += 1
+                sampled.append(SampledJob(sequence, len(samples), draft))
+                samples.append(SampleRow(sequence, states[sequence.serial],
+                                         len(sequence.token_ids) - sequence.num_prompt_tokens))
+                if start < sequence.num_prompt_tokens:
+                    prompt_tokens += 1
+                continue
             row = BatchRow.scheduled(item, draft)
             rows.append(row)
             if sequence.scores_prompt:
@@ -88,9 +104,9 @@ class StepBatch:
         return cls(rows, samples, sampled, prompts, picked, prompt_tokens)
 
     @torch.inference_mode()
-    def run(self, runner: ModelRunner, sampler: BatchSampler) -> Drawn:
-        """The device work of a step (forward, prompt scoring, sampling) and its one read-back."""
-        logits = runner.forward(self.rows)
+    def run(self, runner: ModelRunner, sampler: BatchSampler, inputs: ForwardBatch) -> Drawn:
+        """The device work of a step (forward over its inputs, prompt scoring, sampling) and its one read-back."""
+        logits = runner.forward(inputs)
         scored = ScoredPrompts.compute(logits, self.prompts) if self.prompts else None
         if self.sample_at is not None:
             logits = logits[torch.tensor(self.sample_at, dtype=torch.long).to(logits.device, non_blocking=True)]
@@ -101,6 +117,45 @@ class StepBatch:
         else:
             tokens, logprobs = (sampled.tolist() if sampled is not None else []), {}
         return Drawn(tokens, logprobs, scored.to_host() if scored is not None else {})
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A launched step: its batch, and the future of its forward and sampling."""
+
+    work: Future[Drawn]
+    batch: StepBatch
+
+
+class StepLauncher:
+    """Where a step's device work runs: here, or with overlap on a worker thread, so that the step's
+    caller produces the previous step's text while this one's forward and sampling run (as vLLM's
+    output processing runs beside the next forward)."""
+
+    def __init__(self, runner: ModelRunner, sampler: BatchSampler, overlap: bool) -> None:
+        self.runner, self.sampler = runner, sampler
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="genq-forward") if overlap else None
+
+    def launch(self, batch: StepBatch) -> Launched:
+        """The forward's inputs are built here, on the step's thread: with overlap the worker thread
+        then only waits for the device and samples, and does not queue for the GIL behind the text
+        of the previous step before its forward can start."""
+        inputs = self.runner.builder.build(batch.rows)
+        if self._executor is not None:
+            started = threading.Event()
+
+            def run() -> Drawn:
+                started.set()
+                return batch.run(self.runner, self.sampler, inputs)
+
+            launched = Launched(self._executor.submit(run), batch)
+            # Hand the GIL to the worker until its forward is under way: otherwise it waits for the
+            # interpreter's switch interval (5 ms) while the caller produces the previous step's text.
+            started.wait()
+            return launched
+        work: Future[Drawn] = Future()
+        work.set_result(batch.run(self.runner, self.sampler, inputs))
+        return Launched(work, batch)
 
 
 @dataclass
@@ -125,11 +180,25 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
     fails its job alone, its batch neighbours go on."""
     tokens, logprobs = drawn.tokens, drawn.logprobs
     taken = Taken()
+    appended = taken.appended
     for job in sampled:
         sequence, first, draft = job.sequence, job.first, job.draft
         serial = sequence.serial
         state = states.get(serial)
         if state is None or serial in decided:
+            continue
+        if not draft and state.constraint is None and not logprobs and tokens[first] >= 0:
+            # append_tokens for one plain token, inline: the case of nearly every job in a decode step
+            token = tokens[first]
+            generated = len(sequence.token_ids) - sequence.num_prompt_tokens + 1
+            limits = sequence.job
+            sequence.token_ids.append(token)
+            sequence.output_ids.append(token)
+            taken.generated += 1
+            appended.append(StepTokens(sequence, [token]))
+            if generated >= limits.max_new_tokens or (token in state.stop_token_ids
+                                                      and generated >= limits.min_new_tokens):
+                taken.ended.append(sequence)
             continue
         emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
         if emitted[-1] < 0:
