@@ -37,6 +37,14 @@ def check_batch(figures: ChaosFigures, plan: ChaosPlan) -> None:
     assert figures.batch.lost == [] and figures.batch.repeated == [] and figures.batch.wrong_answers == []
 
 
+def full_run(tiny_model_factory: Callable[..., Path], tmp_path: Path, plan: ChaosPlan) -> ChaosFigures:
+    """One `make chaos` run of `plan` with its batch, checked; its figures for the test's own checks."""
+    figures = run_chaos(tiny_model_factory("llama", max_position_embeddings=1024), tmp_path, plan)
+    check(figures)
+    check_batch(figures, plan)
+    return figures
+
+
 @pytest.mark.parametrize("kwargs", [h.request for h in HOSTILE], ids=range(len(HOSTILE)))
 def test_the_hostile_requests_are_valid(kwargs: dict):
     """Hostile but valid: the protocol accepts each, so only the service's isolation stands in their way."""
@@ -56,29 +64,16 @@ def test_small_chaos_run_loses_nothing_and_finishes_nothing_twice(tiny_model_fac
 
 @pytest.mark.chaos
 def test_full_chaos_run_of_1000_tasks(tiny_model_factory: Callable[..., Path], tmp_path: Path):
-    model = tiny_model_factory("llama", max_position_embeddings=1024)
-    plan = ChaosPlan()
-    figures = run_chaos(model, tmp_path, plan)
-    check(figures)
-    check_batch(figures, plan)
+    full_run(tiny_model_factory, tmp_path, ChaosPlan())
 
 
 @pytest.mark.chaos
 def test_chaos_run_through_repeated_redis_restarts(tiny_model_factory: Callable[..., Path], tmp_path: Path):
     """Issue 17's reproductions restarted Redis eight times each way; so does this run."""
-    model = tiny_model_factory("llama", max_position_embeddings=1024)
-    plan = ChaosPlan(redis_crashes=8, redis_restarts=8)
-    figures = run_chaos(model, tmp_path, plan)
-    check(figures)
-    check_batch(figures, plan)
+    full_run(tiny_model_factory, tmp_path, ChaosPlan(redis_crashes=8, redis_restarts=8))
 
 
 @pytest.mark.chaos
 def test_chaos_run_with_five_percent_hostile_requests(tiny_model_factory: Callable[..., Path], tmp_path: Path):
     """Issue 23: the 1,000-task run with one hostile-but-valid request per 20 well-formed ones."""
-    model = tiny_model_factory("llama", max_position_embeddings=1024)
-    plan = ChaosPlan(hostile_every=20)
-    figures = run_chaos(model, tmp_path, plan)
-    check(figures)
-    check_batch(figures, plan)
-    assert figures.hostile_requests == 50
+    assert full_run(tiny_model_factory, tmp_path, ChaosPlan(hostile_every=20)).hostile_requests == 50
