@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import httpx
 from sse_client import TOKEN, ClientJob
 
-from worker.processes import ChildProcess, free_port, genq_command, wait_until
+from worker.processes import ChildProcess, free_port, genq_command
 
 HEADER_TIMEOUT_S = 120
 CLIENT_SCRIPT = Path(__file__).resolve().parent / "sse_client.py"
@@ -58,7 +58,7 @@ def start_gateway(redis_url: str, queue: str, streams: int, coalesce_ms: int, lo
            "GENQ_GATEWAY_MAX_STREAMS_PER_CLIENT": str(streams), "GENQ_GATEWAY_MAX_STREAMS_PER_TASK": str(streams),
            "GENQ_GATEWAY_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
            "GENQ_GATEWAY_STREAM_COALESCE_MS": str(coalesce_ms)}
-    gateway = ChildProcess("gateway", genq_command("gateway", "--port", str(port)), log_path, env).start()
+    gateway = ChildProcess("gateway", genq_command("gateway", "--port", str(port)), log_path, env)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -68,12 +68,7 @@ def start_gateway(redis_url: str, queue: str, streams: int, coalesce_ms: int, lo
         except httpx.TransportError:
             return False
 
-    try:
-        wait_until(healthy, 60, "the gateway to answer /healthz")
-    except BaseException:
-        gateway.stop()
-        raise
-    return gateway, url
+    return gateway.start_until(healthy, 60, "the gateway to answer /healthz"), url
 
 
 def _line(process: subprocess.Popen[str], what: str) -> str:

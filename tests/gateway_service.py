@@ -107,13 +107,7 @@ class GatewayProcess(ChildProcess):
         super().__init__("gateway", genq_command("gateway", "--port", str(port)), log_path, env)
 
     def start(self) -> Self:
-        super().start()
-        try:
-            wait_until(self.healthy, 30, "the gateway to answer /healthz")
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return self.start_until(self.healthy, 30, "the gateway to answer /healthz")
 
     def healthy(self) -> bool:
         self.check_alive()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from producer.batches.s3_blobs import S3Blobs
-from worker.processes import ChildProcess, free_port, wait_until
+from worker.processes import ChildProcess, free_port
 
 REGION = "us-east-1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "genq-test", "AWS_SECRET_ACCESS_KEY": "genq-test-secret",
@@ -32,13 +32,7 @@ class S3Server(ChildProcess):
                          log_path, {**os.environ, **CREDENTIALS})
 
     def start(self) -> Self:
-        super().start()
-        try:
-            wait_until(self.up, 30, "the S3 server to answer")
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return self.start_until(self.up, 30, "the S3 server to answer")
 
     def up(self) -> bool:
         self.check_alive()

@@ -80,6 +80,16 @@ class ChildProcess:
                                             start_new_session=True)
         return self
 
+    def start_until(self, ready: Callable[[], bool], timeout: float, what: str) -> Self:
+        """Start it and wait for `ready` (which may raise to fail fast); stopped again if it never is."""
+        ChildProcess.start(self)
+        try:
+            wait_until(ready, timeout, what)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
@@ -152,18 +162,12 @@ class RedisServer(ChildProcess):
     def start(self, timeout: float = 20.0) -> Self:
         """Start it and wait for PING."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        super().start()
 
         def up() -> bool:
             self.check_alive()
             return reachable(self.url)
 
-        try:
-            wait_until(up, timeout, "redis-server to answer PING")
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return self.start_until(up, timeout, "redis-server to answer PING")
 
     def restart(self, graceful: bool = True) -> None:
         """Graceful (SIGTERM: redis-server flushes its append-only file and exits), or a crash
