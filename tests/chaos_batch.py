@@ -26,9 +26,9 @@ import redis
 from celery import states
 
 from tests.gateway_service import MODEL, TOKEN, GatewayProcess, service_env
+from tests.test_batches import ENDED
 
 log = logging.getLogger(__name__)
-ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
 @dataclass

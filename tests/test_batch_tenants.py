@@ -24,13 +24,12 @@ from producer.client import GenqClient
 from producer.gateway import GatewaySettings, create_app
 from producer.tenants.keys import KeyLimits, KeyStore
 from tests.gateway_service import TOKEN, GatewayProcess, bearer, sdk, store
-from tests.test_batches import batch_env, chat_line, jsonl, output_lines, wait_for
+from tests.test_batches import ENDED, batch_env, chat_line, jsonl, output_lines, wait_for
 from worker.processes import WorkerProcess
 
 __all__ = ["store"]
 
 QUEUE = "genq-batch-tenants"
-ENDED = {"completed", "failed", "expired", "cancelled"}
 
 
 @pytest.fixture(scope="module")

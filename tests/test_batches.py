@@ -60,7 +60,11 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-def wait_for(oai: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 180) -> Batch:
+ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
+"""OpenAI's final batch statuses."""
+
+
+def wait_for(oai: openai.OpenAI, batch_id: str, statuses: set[str] | frozenset[str], timeout: float = 180) -> Batch:
     """Poll batches.retrieve, as a client of the Batch API does, until the batch reaches a status."""
     deadline = time.monotonic() + timeout
     while True:
@@ -139,7 +143,7 @@ def test_a_batch_of_twenty_chat_lines_answers_every_line_exactly_once_and_calls_
     batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
                                completion_window="24h", metadata={"genq_webhook_url": f"{url}/batch-done"})
     assert (batch.status, batch.request_counts.total, batch.input_file_id) == ("validating", 20, input_file.id)
-    done = wait_for(oai, batch.id, {"completed", "failed", "expired", "cancelled"})
+    done = wait_for(oai, batch.id, ENDED)
     assert done.status == "completed"
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (20, 20, 0)
     assert done.error_file_id is None and done.in_progress_at and done.finalizing_at and done.completed_at
@@ -171,7 +175,7 @@ def test_a_completions_batch_answers_good_lines_and_puts_refused_ones_in_the_err
              line("bad-max", prompt="x", max_tokens=0)]
     input_file = oai.files.create(file=("completions.jsonl", jsonl(lines)), purpose="batch")
     batch = oai.batches.create(input_file_id=input_file.id, endpoint="/v1/completions", completion_window="24h")
-    done = wait_for(oai, batch.id, {"completed", "failed", "expired", "cancelled"})
+    done = wait_for(oai, batch.id, ENDED)
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 2)
     [good] = output_lines(oai, done.output_file_id)
     assert good["custom_id"] == "good" and good["response"]["body"]["object"] == "text_completion"
@@ -251,7 +255,7 @@ def test_a_batch_survives_its_gateway_being_killed_with_no_line_run_twice(
         first.wait()
     with GatewayProcess(env, tmp_path_factory.mktemp("second") / "gateway.log") as second:
         client = openai.OpenAI(base_url=f"{second.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
-        done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"})
+        done = wait_for(client, batch.id, ENDED)
         assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 20, 0)
         answers = output_lines(client, done.output_file_id)
     assert sorted(answer["custom_id"] for answer in answers) == sorted(line["custom_id"] for line in lines)
@@ -374,7 +378,7 @@ def test_a_200_line_batch_answers_every_line_once_while_interactive_requests_kee
         f"slowest chat {max(beside) * 1000:.0f} ms beside the batch ({progress.request_counts}), "
         f"{max(idle) * 1000:.0f} ms idle; beside {[round(t * 1000) for t in beside]} ms, "
         f"idle {[round(t * 1000) for t in idle]} ms")
-    done = wait_for(oai, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=600)
+    done = wait_for(oai, batch.id, ENDED, timeout=600)
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 200, 0)
     answers = output_lines(oai, done.output_file_id)
     assert sorted(answer["custom_id"] for answer in answers) == sorted(line["custom_id"] for line in lines)

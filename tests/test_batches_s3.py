@@ -27,14 +27,13 @@ from producer.batches.storage import FileStore
 from producer.gateway.settings import GatewaySettings
 from tests.gateway_service import TOKEN, GatewayProcess, service_env
 from tests.s3_server import S3Server, s3_server
-from tests.test_batches import batch_env, chat_line, jsonl, wait_for
+from tests.test_batches import ENDED, batch_env, chat_line, jsonl, wait_for
 from worker.processes import ROOT, WorkerProcess
 
 __all__ = ["s3_server"]
 
 QUEUE = "genq-batch-s3"
 PREFIX = "genq-test/"
-ENDED = {"completed", "failed", "expired", "cancelled"}
 
 
 @pytest.fixture(scope="module")
