@@ -63,6 +63,7 @@ from typing import Any
 import torch
 import transformers
 from bench_common import (
+    REPO_ROOT,
     RESULTS_DIR,
     available_cores,
     bench_parser,
@@ -367,6 +368,13 @@ def model_name(path: Path) -> str:
     return path.stem if is_gguf(path) else path.name
 
 
+def shown_path(path: Path) -> str:
+    """A model's path as results record it: inside the repository as given (write_results makes it
+    relative), elsewhere (a models cache) by its file name only, so no absolute path is written."""
+    resolved = path.resolve()
+    return str(resolved) if resolved.is_relative_to(REPO_ROOT) else path.name
+
+
 def hf_config(path: Path) -> dict[str, Any]:
     """config.json, or the one a GGUF file's metadata translates to."""
     return GGUFFile(path).config_dict() if is_gguf(path) else json.loads((path / "config.json").read_text())
@@ -383,7 +391,7 @@ def bench_model(preset: str, path: Path, spec: WorkloadSpec, args: argparse.Name
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
     result: dict[str, Any] = {
-        "path": str(path),
+        "path": shown_path(path),
         "config": {k: config.get(k) for k in keys},
         "parameters": count_parameters(config),
         "matmul_parameters": matmul_parameters(config),
@@ -452,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {
             "quick": args.quick,
             **spec.settings(),
-            "models": [*args.models, *(str(path) for path in args.model)],
+            "models": [*args.models, *(shown_path(path) for path in args.model)],
             "systems": args.systems,
             "threads": args.threads,
             "page_size": args.page_size,

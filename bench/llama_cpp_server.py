@@ -16,6 +16,12 @@ exactly the engine's tokens), temperature 0, max_tokens = the request's
 max_new_tokens, ignore_eos, streamed; "verbose" with "return_tokens" adds the
 token ids to each chunk (the __verbose field), so greedy tokens can be
 compared with the engine's. A token's time is when its chunk arrives.
+
+--no-repack: on this VM (Xeon with AMX flags, KVM) the native build's AMX
+matmul for Q4_1 (the only extra buffer type that takes Q4_1; the AVX repack
+does not) segfaults in the server's warm-up decode
+(ggml_backend_amx_mul_mat); without it Q4_1 runs on ggml's AVX-512 / VNNI
+dot products.
 """
 
 from __future__ import annotations
@@ -140,7 +146,7 @@ class ServerSettings:
         return [
             str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(self.parallel), "-c", str(self.parallel * self.context_per_slot),
-            "--threads", str(self.threads), "--threads-batch", str(self.threads), "--no-webui",
+            "--threads", str(self.threads), "--threads-batch", str(self.threads), "--no-webui", "--no-repack",
         ]
 
 
