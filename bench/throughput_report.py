@@ -15,8 +15,9 @@ SYSTEM_LABELS = {
     "engine": "genq engine",
     "hf-padded": "transformers padded best",
     "hf-cb": "transformers continuous batching",
+    "llama.cpp": "llama.cpp server",
 }
-_COLORS = {"engine": "tab:blue", "hf-padded": "tab:orange", "hf-cb": "tab:green"}
+_COLORS = {"engine": "tab:blue", "hf-padded": "tab:orange", "hf-cb": "tab:green", "llama.cpp": "tab:red"}
 
 
 def headline_runs(model_result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -31,6 +32,9 @@ def headline_runs(model_result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     cb = systems.get("hf-cb")
     if cb and "error" not in cb:
         runs["hf-cb"] = cb
+    llama = systems.get("llama.cpp")
+    if llama and "skipped" not in llama:
+        runs["llama.cpp"] = llama
     return runs
 
 
@@ -54,6 +58,12 @@ def markdown_table(results: dict[str, Any]) -> str:
         cb = model_result["systems"].get("hf-cb")
         if cb and "error" in cb:
             rows.append([model, SYSTEM_LABELS["hf-cb"], f"failed: {cb['error'][:80]}", "", "", "", "", ""])
+        llama = model_result["systems"].get("llama.cpp")
+        if llama and "skipped" in llama:
+            rows.append([model, SYSTEM_LABELS["llama.cpp"], f"skipped: {llama['skipped'][:80]}", "", "", "", "", ""])
+        if "engine" in runs and "llama.cpp" in runs:
+            ratio = runs["engine"]["generated_tok_s"] / runs["llama.cpp"]["generated_tok_s"]
+            rows.append([model, "genq / llama.cpp", f"{ratio:.2f}x", "", "", "", "", ""])
     machine = results["machine"]
     lines = table_lines(["model", "system", "generated tok/s", "total tok/s", "TTFT p50 / p90 / p99 (ms)",
                          "ITL p50 / p90 / p99 (ms)", "wall (s)", "MFU"], "llrrrrrr", rows)
