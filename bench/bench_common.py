@@ -189,11 +189,12 @@ def results_json(results: Any) -> str:
 
 
 def bench_parser(description: str | None, quick: str, epilog: str) -> argparse.ArgumentParser:
-    """A benchmark's parser: its module docstring as written, how long the full run takes, and
-    --quick, the smoke run (`quick` says what it runs)."""
+    """A benchmark's parser: its module docstring as written, how long the full run takes,
+    --quick, the smoke run (`quick` says what it runs), and --out, where its results go."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=epilog)
     parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     return parser
 
 

@@ -53,7 +53,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend
 from bench_common import (  # noqa: E402
-    RESULTS_DIR,
     bench_main,
     bench_parser,
     ensure_model,
@@ -96,7 +95,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="comma-separated GIL switch intervals, one worker each (GENQ_SWITCH_INTERVAL_MS; default "
                              f"{','.join(map(str, SWITCH_MS))})")
     parser.add_argument("--step-ms", type=float, default=STEP_MS, help=f"the synthetic step (default {STEP_MS:g})")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     args.switch_ms = tuple(float(value) for value in args.switch_ms.split(","))
     args.seconds = QUICK_MEASURE_S if args.quick else MEASURE_S

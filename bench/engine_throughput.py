@@ -64,7 +64,6 @@ import torch
 import transformers
 from bench_common import (
     REPO_ROOT,
-    RESULTS_DIR,
     available_cores,
     bench_parser,
     ensure_model,
@@ -140,7 +139,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "and the results go to engine_throughput_<name>.{json,png}",
     )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     parser.add_argument(
         "--threads", type=int, default=available_cores(), help="torch threads for every system (default: all cores)"
     )

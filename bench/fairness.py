@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (
-    RESULTS_DIR,
     bench_main,
     bench_parser,
     ensure_model,
@@ -71,7 +70,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=4, help="the worker's task slots and engine batch")
     parser.add_argument("--lanes", type=int, default=4, help="GENQ_TENANT_LANES in the lanes mode")
     parser.add_argument("--preset", default="tiny", help="tiny model preset (genq_dev/tiny_model.py)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     if args.quick:
         args.flood, args.interactive = 60, 5

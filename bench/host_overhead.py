@@ -72,7 +72,6 @@ from typing import Any
 import matplotlib
 import torch
 from bench_common import (
-    RESULTS_DIR,
     bench_parser,
     ensure_model,
     load_average,
@@ -123,7 +122,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--synthetic-forward-ms", type=float, default=None, metavar="F",
                         help="a forward that waits F ms with the GIL released (a GPU's, e.g. 10-15); measures "
                              "overlap off and on side by side, in wall time")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.clock == "cpu" and (args.overlap or args.synthetic_forward_ms is not None):
         parser.error("--clock cpu times one thread; with overlap the forward and sampling run on another")

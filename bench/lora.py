@@ -32,7 +32,6 @@ import matplotlib
 import torch
 from bench_common import (
     MODEL_CACHE,
-    RESULTS_DIR,
     bench_parser,
     ensure_model,
     progress,
@@ -63,7 +62,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens each job generates")
     parser.add_argument("--repeats", type=int, default=5, help="alternating runs of every configuration")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     return parser.parse_args(argv)
 
 

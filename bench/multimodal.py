@@ -52,7 +52,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--text-tokens", type=int, default=2 * PAGE_SIZE, help="shared text before the image")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     if args.quick:
         args.jobs, args.repeats = 8, 2

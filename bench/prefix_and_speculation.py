@@ -76,7 +76,6 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import (
-    RESULTS_DIR,
     available_cores,
     bench_parser,
     ensure_model,
@@ -140,7 +139,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny", choices=list(PRESETS), help="llama preset (default tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workloads' token ids (default 0)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration (2; 1 quick)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     parser.add_argument(
         "--threads", type=int, default=1,
         help=f"torch threads (default 1, see above; this machine offers {available_cores()})",

@@ -61,7 +61,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend
 import redis  # noqa: E402
 from bench_common import (  # noqa: E402
-    RESULTS_DIR,
     bench_main,
     bench_parser,
     ensure_model,
@@ -128,7 +127,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                         help=f"new tokens per request of the worker runs (default {NEW_TOKENS}): longer requests "
                              "spread each request's fixed commands and CPU (Celery's) over more tokens")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     args.streams = tuple(count for count in map(int, args.streams.split(",")) if count)
     if args.rates is None:

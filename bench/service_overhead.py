@@ -63,7 +63,6 @@ import celery
 import kombu
 import redis
 from bench_common import (
-    RESULTS_DIR,
     available_cores,
     bench_parser,
     ensure_model,
@@ -115,7 +114,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models", default="tiny", help=f"comma-separated llama presets out of {','.join(PRESETS)} (default tiny)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     parser.add_argument(
         "--threads", type=int, default=max(1, available_cores() - 1),
         help="torch threads of the in-process engine and of the worker (default: all cores but one, left to "

@@ -36,7 +36,6 @@ from typing import Any
 
 import redis
 from bench_common import (
-    RESULTS_DIR,
     bench_main,
     bench_parser,
     ensure_model,
@@ -61,7 +60,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=32, help="requests sent at once (the worker's batch)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--preset", default="tiny", help="tiny model preset (genq_dev/tiny_model.py)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.tokens = 8, 32

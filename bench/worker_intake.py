@@ -38,7 +38,6 @@ import matplotlib.pyplot as plt  # noqa: E402 - after the backend
 import redis  # noqa: E402
 from bench_common import (  # noqa: E402
     REPO_ROOT,
-    RESULTS_DIR,
     bench_main,
     bench_parser,
     ensure_model,
@@ -77,7 +76,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help=f"requests a run (default {REQUESTS})")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=f"new tokens a request (default {TOKENS})")
     parser.add_argument("--rounds", type=int, default=None, help=f"rounds of every tree (default {ROUNDS})")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="output directory (default bench/results)")
     args = parser.parse_args(argv)
     args.requests = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
     args.rounds = args.rounds or (1 if args.quick else ROUNDS)
