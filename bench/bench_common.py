@@ -198,6 +198,16 @@ def bench_parser(description: str | None, quick: str, epilog: str) -> argparse.A
     return parser
 
 
+def subplots(rows: int, cols: int, figsize: tuple[float, float]) -> tuple[Any, Any]:
+    """A figure of rows x cols panels drawn off screen (the Agg backend: benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, cols, figsize=figsize)
+
+
 def save_figure(fig: Any, path: Path, dpi: int = 120, rect: tuple[float, float, float, float] | None = None) -> None:
     """Lay out a benchmark's figure (within `rect`, leaving room for a figure legend), write it and
     close it: pyplot keeps every figure it made until it is closed."""

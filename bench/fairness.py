@@ -48,6 +48,7 @@ from bench_common import (
     progress,
     save_figure,
     start_run,
+    subplots,
 )
 
 from producer.client import GenqClient
@@ -140,13 +141,8 @@ def mode_figures(mode: str, timings: list[tuple[float, float, float]], backlogs:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     modes = list(results["modes"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = subplots(1, 2, (10, 4))
     colors = {"idle": "#999", "shared": "#c44", "mixed": "#d92", "lanes": "#2a7"}
     for i, mode in enumerate(modes):
         values = results["modes"][mode]["first_chunk_all_ms"]

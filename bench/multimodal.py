@@ -34,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import bench_parser, machine_info, progress, save_figure, table_lines, warn_if_busy, write_results
+from bench_common import (
+    bench_parser,
+    machine_info,
+    progress,
+    save_figure,
+    subplots,
+    table_lines,
+    warn_if_busy,
+    write_results,
+)
 from PIL import Image
 
 from engine import Generator, Job
@@ -119,13 +128,8 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, seed: int) -> dic
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     modes = results["modes"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = subplots(1, 2, (10, 4))
     axes[0].bar(["text", "image"], [modes["text"]["jobs_per_s"], modes["image"]["jobs_per_s"]],
                 color=["#999", "#27a"])
     axes[0].set_title("jobs/s, one image each vs text only (higher is better)")

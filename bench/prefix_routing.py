@@ -36,7 +36,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import ensure_model, machine_info, progress, save_figure, table_lines, warn_if_busy, write_results
+from bench_common import (
+    ensure_model,
+    machine_info,
+    progress,
+    save_figure,
+    subplots,
+    table_lines,
+    warn_if_busy,
+    write_results,
+)
 
 from producer.client import GenqClient
 from worker.processes import RedisServer, WorkerProcess
@@ -126,13 +135,8 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, redis_url: str, w
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     modes = list(results["modes"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = subplots(1, 2, (10, 4))
     axes[0].bar(modes, [results["modes"][m]["prefix_hit_rate"] for m in modes], color=["#999", "#2a7"])
     axes[0].set_ylim(0, 1)
     axes[0].set_title("prefix cache hit rate (higher is better)")
