@@ -73,17 +73,22 @@ class SampleRow:
         return blocked + tuple(bans) if bans else blocked
 
 
+def ends_with(sequence: Sequence, state: SamplingState, token: int, generated: int) -> bool:
+    """Whether the job ends with `token` as its `generated`-th token: max_new_tokens reached, or a
+    stop token once min_new_tokens allows stopping."""
+    job = sequence.job
+    return generated >= job.max_new_tokens or (token in state.stop_token_ids and generated >= job.min_new_tokens)
+
+
 def append_tokens(sequence: Sequence, state: SamplingState, tokens: list[int]) -> tuple[list[int], bool, bool]:
     """Append a step's tokens up to the first stop token (once min_new_tokens allows stopping) or
     max_new_tokens: (kept, whether the job ended, whether its grammar completed). The grammar consumes
     the kept tokens and starts computing its next mask. Stop strings need the text: the output
     processor finds them."""
-    job = sequence.job
     before = sequence.num_generated
     kept, done = tokens, False
     for i, token in enumerate(tokens, 1):
-        generated = before + i
-        if generated >= job.max_new_tokens or (token in state.stop_token_ids and generated >= job.min_new_tokens):
+        if ends_with(sequence, state, token, before + i):
             kept, done = tokens[:i], True
             break
     complete = False

@@ -49,7 +49,8 @@ order and nothing else: the running sequences skip it. So another tenant's
 beside the flood's rows (vLLM's v0 scheduler ran every prefill in a step of
 its own). Two newcomer steps never follow each other, so however many arrive
 the running sequences decode at least every other step; a tenant that already
-runs a sequence of that class gets no such step.
+runs a sequence gets no such step unless its class is more urgent than every
+running one.
 
 The schedule a step returns is immutable. After the forward, the generator
 appends the sampled tokens to the sequences and calls update_from_output with

@@ -19,7 +19,7 @@ from engine.model_runner import BatchRow, ModelRunner
 from engine.output_processor import StepTokens
 from engine.outputs import TokenLogprob
 from engine.prompt_logprobs import PromptChunk, ScoredPrompts
-from engine.sampling_state import SampleRow, SamplingState, append_tokens
+from engine.sampling_state import SampleRow, SamplingState, append_tokens, ends_with
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.spec_decode import accept, verify_rows
@@ -74,16 +74,14 @@ class StepBatch:
             sequence = item.sequence
             draft = drafts.get(sequence.serial, []) if drafts else []
             if item.num_tokens == 1 and item.samples and not draft and sequence.job.prompt_logprobs is None:
-                # a decode row (nearly every row of a decode step): BatchRow.scheduled and
-                # SampleRow.next_token, inline
-                start = sequence.num_computed
-                rows.append(BatchRow(sequence, start, (sequence.token_ids[start],), 1))
+                # a decode row (nearly every row of a decode step): one logits row, one sample row
+                row = BatchRow.scheduled(item)
+                rows.append(row)
                 sample_at.append(logits_rows)
                 logits_rows += 1
                 sampled.append(SampledJob(sequence, len(samples), draft))
-                samples.append(SampleRow(sequence, states[sequence.serial],
-                                         len(sequence.token_ids) - sequence.num_prompt_tokens))
-                if start < sequence.num_prompt_tokens:
+                samples.append(SampleRow.next_token(sequence, states[sequence.serial]))
+                if row.start < sequence.num_prompt_tokens:
                     prompt_tokens += 1
                 continue
             row = BatchRow.scheduled(item, draft)
@@ -188,16 +186,13 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
         if state is None or serial in decided:
             continue
         if not draft and state.constraint is None and not logprobs and tokens[first] >= 0:
-            # append_tokens for one plain token, inline: the case of nearly every job in a decode step
+            # append_tokens for one plain token without its loop and grammar: nearly every job of a
+            # decode step
             token = tokens[first]
-            generated = len(sequence.token_ids) - sequence.num_prompt_tokens + 1
-            limits = sequence.job
-            sequence.token_ids.append(token)
-            sequence.output_ids.append(token)
+            sequence.append(token)
             taken.generated += 1
             appended.append(StepTokens(sequence, [token]))
-            if generated >= limits.max_new_tokens or (token in state.stop_token_ids
-                                                      and generated >= limits.min_new_tokens):
+            if ends_with(sequence, state, token, sequence.num_generated):
                 taken.ended.append(sequence)
             continue
         emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
