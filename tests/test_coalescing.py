@@ -203,8 +203,12 @@ def test_openai_chat_stream_of_coalesced_chunks_equals_the_answer_with_a_logprob
     # One list per coalesced chunk: the first token alone, then 5 at a time, then the last one.
     assert [len(lps) for lps in logprobs] == [1] + [WORKER_TOKENS] * 6
     assert answer.choices[0].logprobs is not None
-    streamed = [(t.token, t.logprob) for lps in logprobs for t in lps]
-    assert streamed == [(t.token, t.logprob) for t in answer.choices[0].logprobs.content]
+    streamed = [t for lps in logprobs for t in lps]
+    answered = answer.choices[0].logprobs.content
+    assert [t.token for t in streamed] == [t.token for t in answered]
+    # The streamed request finds the first one's prompt in the prefix cache and prefills only its
+    # last token, so its fp32 sums round differently: equal to float32's precision, not bit for bit.
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in answered], rel=1e-5, abs=1e-6)
     assert all(len(t.top_logprobs) == 2 for lps in logprobs for t in lps)
 
 
