@@ -28,7 +28,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 from sse_client import TOKEN, ClientJob
 
 from worker.processes import ChildProcess, free_port, genq_command
@@ -60,15 +59,7 @@ def start_gateway(redis_url: str, queue: str, streams: int, coalesce_ms: int, lo
            "GENQ_GATEWAY_STREAM_COALESCE_MS": str(coalesce_ms)}
     gateway = ChildProcess("gateway", genq_command("gateway", "--port", str(port)), log_path, env)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        gateway.check_alive()
-        try:
-            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    return gateway.start_until(healthy, 60, "the gateway to answer /healthz"), url
+    return gateway.start_until(lambda: gateway.serves_health(url), 60, "the gateway to answer /healthz"), url
 
 
 def _line(process: subprocess.Popen[str], what: str) -> str:

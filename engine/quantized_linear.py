@@ -178,7 +178,7 @@ class QuantizedLinear(nn.Module):
     """y = x @ W^T + bias with W quantized (weight-only; x and y in `dtype`).
 
     Build it empty (then load_rows() and finalize(), as the loader does) or
-    from_linear() / from_weight(). Its buffers are qweight, scales and offsets
+    from_weight(). Its buffers are qweight, scales and offsets
     in the "rows" layout; finalize() may switch a CPU layer to aten's int4pack
     layout ("cpu_int4pack": qweight tiled, scales_and_zeros [K / G, N, 2] in
     `dtype`), which only that kernel reads."""
@@ -230,13 +230,6 @@ class QuantizedLinear(nn.Module):
             layer.bias.data.copy_(bias)
         layer.finalize()
         return layer
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, quantize: str, group_size: int | None = None) -> QuantizedLinear:
-        """linear's weight quantized (its bias and dtype kept)."""
-        weight = quantize_weight(linear.weight, quantize, group_size)
-        bias = linear.bias.detach() if linear.bias is not None else None
-        return cls.from_weight(weight, bias, linear.weight.dtype)
 
     def load_rows(self, start: int, weight: torch.Tensor | QuantizedWeight) -> None:
         """Fill rows [start, start + rows) from a float matrix (quantized here) or a

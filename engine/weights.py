@@ -52,16 +52,11 @@ log = logging.getLogger(__name__)
 # HF sub-module name -> (our fused parameter's module name, shard index in the fusion): the
 # projections whose engine linear has another name (the one table of where each sits, LoRA's too)
 _FUSED = {hf: place for hf, place in TARGETS.items() if place[0] != hf}
-# MoE experts: HF per-expert tensor (Mixtral's names, then Qwen3-MoE's) -> (our stacked parameter, shard in its rows)
-_EXPERT = {
-    "w1": ("gate_up_proj", 0),
-    "w3": ("gate_up_proj", 1),
-    "w2": ("down_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
-_HF_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+# The dense MLP's linears as PEFT and HF name them (TARGETS); Qwen3-MoE's experts keep these names
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+_HF_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": _GATE_UP_DOWN}
+# MoE experts: HF per-expert tensor -> (our stacked parameter, shard in its rows), placed as the dense MLP's
+_EXPERT = {name: TARGETS[dense] for names in _HF_EXPERT_NAMES.values() for name, dense in zip(names, _GATE_UP_DOWN)}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

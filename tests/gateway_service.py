@@ -107,14 +107,7 @@ class GatewayProcess(ChildProcess):
         super().__init__("gateway", genq_command("gateway", "--port", str(port)), log_path, env)
 
     def start(self) -> Self:
-        return self.start_until(self.healthy, 30, "the gateway to answer /healthz")
-
-    def healthy(self) -> bool:
-        self.check_alive()
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
+        return self.start_until(lambda: self.serves_health(self.url), 30, "the gateway to answer /healthz")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

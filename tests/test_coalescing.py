@@ -17,7 +17,7 @@ from celery import Celery
 
 from producer.control import request_cancel
 from producer.protocol import TASK_NAME, StreamEvent, channel_name
-from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, read_sse
+from tests.gateway_service import MODEL, TOKEN, GatewayProcess, bearer, oai, read_sse  # noqa: F401 - oai: fixture
 from tests.service import chunk_text, next_event, replay
 from worker.processes import WorkerProcess, wait_until
 
@@ -40,11 +40,6 @@ def worker(module_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
 @pytest.fixture(scope="module")
 def gateway(worker: WorkerProcess, module_gateway: Callable[..., GatewayProcess]) -> str:
     return module_gateway(QUEUE, "coalesce-gateway").url
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 
 def send(client: Celery, identifier: str, stream: dict[str, Any], **request: Any) -> Any:
@@ -188,7 +183,7 @@ def test_a_sample_s_chunks_are_merged_on_their_own_with_n_samples(
         assert [len(e.token_ids or []) for e in own] == [1, 5, 5, 1]
 
 
-def test_openai_chat_stream_of_coalesced_chunks_equals_the_answer_with_a_logprob_per_token(oai: openai.OpenAI):
+def test_openai_chat_stream_of_coalesced_chunks_equals_the_answer_with_a_logprob_per_token(oai: openai.OpenAI):  # noqa: F811
     messages = [{"role": "user", "content": "Tell me a story."}]
     options: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 31, "temperature": 0,
                                "logprobs": True, "top_logprobs": 2, "extra_body": {"ignore_eos": True}}
@@ -212,7 +207,7 @@ def test_openai_chat_stream_of_coalesced_chunks_equals_the_answer_with_a_logprob
     assert all(len(t.top_logprobs) == 2 for lps in logprobs for t in lps)
 
 
-def test_openai_completions_stream_keeps_text_offsets_across_multi_token_chunks(oai: openai.OpenAI):
+def test_openai_completions_stream_keeps_text_offsets_across_multi_token_chunks(oai: openai.OpenAI):  # noqa: F811
     options: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
                                "logprobs": 1, "extra_body": {"ignore_eos": True}}
     answer = oai.completions.create(**options)

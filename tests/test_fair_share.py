@@ -108,29 +108,30 @@ def busy_with_flood(s: Scheduler, jobs: Jobs, running: int = 3) -> list[Sequence
     return flood
 
 
+def arrives_during_flood(tenant: str, prompt: int = 4, priority: int = 0, newcomer_first: bool = True
+                         ) -> tuple[Scheduler, Sequence, SchedulerOutput]:
+    """A job of `tenant` added while three flood jobs decode (4 slots), and the step that follows."""
+    s = scheduler(max_batch_size=4, newcomer_first=newcomer_first)
+    jobs = Jobs()
+    busy_with_flood(s, jobs)
+    arrival = jobs.make(tenant, prompt=prompt, priority=priority)
+    s.add(arrival)
+    return s, arrival, step(s)
+
+
 def tenants_of(out: SchedulerOutput) -> list[str | None]:
     return [item.sequence.job.tenant for item in out.scheduled]
 
 
 def test_a_newcomer_is_prefilled_in_a_step_of_its_own_then_decodes_beside_the_flood():
-    s = scheduler(max_batch_size=4)
-    jobs = Jobs()
-    busy_with_flood(s, jobs)
-    newcomer = jobs.make("newcomer", prompt=9)
-    s.add(newcomer)
-    out = step(s)
+    s, newcomer, out = arrives_during_flood("newcomer", prompt=9)
     assert out.started == (newcomer,) and tenants_of(out) == ["newcomer"]  # the flood's rows skip it
     assert out.scheduled[0].num_tokens == 9 and out.scheduled[0].samples
     assert sorted(map(str, tenants_of(step(s)))) == ["flood", "flood", "flood", "newcomer"]
 
 
 def test_without_newcomer_first_the_newcomers_prefill_shares_the_flood_step():
-    s = scheduler(max_batch_size=4, newcomer_first=False)
-    jobs = Jobs()
-    busy_with_flood(s, jobs)
-    newcomer = jobs.make("newcomer")
-    s.add(newcomer)
-    out = step(s)
+    _, newcomer, out = arrives_during_flood("newcomer", newcomer_first=False)
     assert out.started == (newcomer,) and tenants_of(out) == ["flood", "flood", "flood", "newcomer"]
 
 
@@ -146,12 +147,7 @@ def test_newcomer_steps_never_follow_each_other_so_running_jobs_keep_decoding():
 
 
 def test_a_newcomer_of_a_less_urgent_class_waits_for_a_mixed_step():
-    s = scheduler(max_batch_size=4)
-    jobs = Jobs()
-    busy_with_flood(s, jobs)
-    batch_line = jobs.make("batch", priority=5)
-    s.add(batch_line)
-    out = step(s)
+    _, batch_line, out = arrives_during_flood("batch", priority=5)
     assert out.started == (batch_line,) and len(out.scheduled) == 4  # admitted beside the decodes
 
 
@@ -169,12 +165,7 @@ def test_a_more_urgent_class_gets_a_step_of_its_own_even_from_a_tenant_that_runs
 
 
 def test_a_tenant_that_already_runs_gets_no_step_of_its_own():
-    s = scheduler(max_batch_size=4)
-    jobs = Jobs()
-    busy_with_flood(s, jobs)
-    more = jobs.make("flood")
-    s.add(more)
-    out = step(s)
+    _, more, out = arrives_during_flood("flood")
     assert out.started == (more,) and len(out.scheduled) == 4
 
 

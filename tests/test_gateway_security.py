@@ -178,14 +178,7 @@ def test_genq_gateway_says_where_it_listens_and_logs_requests_at_its_default_lev
     env = {**service_env(redis_url), "GENQ_GATEWAY_TOKEN": TOKEN}
     command = [sys.executable, "-m", "worker.cli", "gateway", "--port", str(port)]
     with ChildProcess("gateway", command, tmp_path / "gateway.log", env) as gateway:
-        def answered() -> bool:
-            gateway.check_alive()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(answered, 30, "the gateway to answer /healthz")
+        wait_until(lambda: gateway.serves_health(f"http://127.0.0.1:{port}"), 30, "the gateway to answer /healthz")
         wait_until(lambda: '"GET /healthz HTTP/1.1" 200' in gateway.log_path.read_text(), 10, "the access log line")
         assert f"running on http://127.0.0.1:{port}" in gateway.log_path.read_text()
 

@@ -28,7 +28,7 @@ from producer.gateway import GatewaySettings, create_app
 from producer.model_card import CHAT_TEMPLATE_JSON, WorkerCard, card_key
 from producer.protocol import GenerationRequest
 from producer.tool_calls import template_messages
-from tests.gateway_service import MODEL, SECRET, TOKEN, GatewayProcess, bearer
+from tests.gateway_service import MODEL, SECRET, TOKEN, GatewayProcess, bearer, oai  # noqa: F401 - oai: fixture
 from tests.test_chat_template_tools import (  # noqa: F401 - tokenizer_pair is a fixture
     CHATML,
     FAMILIES,
@@ -127,11 +127,6 @@ def gateway(card: WorkerCard, module_gateway: Callable[..., GatewayProcess]) -> 
     return module_gateway(QUEUE, "tokens-gateway").url
 
 
-@pytest.fixture(scope="module")
-def oai(gateway: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=TOKEN, max_retries=0, timeout=120)
-
-
 def post(base: str, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{base}{path}", json=body, headers=bearer(), timeout=30)
 
@@ -157,7 +152,7 @@ def test_the_card_names_the_chat_template_and_bos(card: WorkerCard, tokenizer: T
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_a_prompt_s_tokens_are_the_worker_s(gateway: str, oai: openai.OpenAI, tokenizer: Tokenizer, prompt: str):
+def test_a_prompt_s_tokens_are_the_worker_s(gateway: str, oai: openai.OpenAI, tokenizer: Tokenizer, prompt: str):  # noqa: F811
     answer = tokenize(gateway, {"prompt": prompt, "model": MODEL, "return_token_strs": True})
     assert answer["tokens"] == tokenizer.encode(prompt, add_special_tokens=tokenizer.add_bos_token)
     assert answer["count"] == len(answer["tokens"])
@@ -189,7 +184,7 @@ CHATS: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("case", sorted(CHATS))
-def test_a_chat_s_tokens_are_the_worker_s(gateway: str, oai: openai.OpenAI, tokenizer: Tokenizer, reference: Any,
+def test_a_chat_s_tokens_are_the_worker_s(gateway: str, oai: openai.OpenAI, tokenizer: Tokenizer, reference: Any,  # noqa: F811
                                           case: str):
     fields = CHATS[case]
     answer = tokenize(gateway, {**fields, "model": MODEL})

@@ -66,7 +66,8 @@ def _layers(quantize: str, dtype: torch.dtype, bias: bool) -> tuple[torch.nn.Lin
         if bias:
             linear.bias.normal_(generator=torch.Generator().manual_seed(2))
     linear = linear.to(dtype)
-    layer = QuantizedLinear.from_linear(linear, quantize)
+    layer = QuantizedLinear.from_weight(quantize_weight(linear.weight, quantize),
+                                        linear.bias.detach() if bias else None, dtype)
     return linear, layer, quantize_weight(linear.weight, quantize)
 
 

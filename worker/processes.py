@@ -102,6 +102,15 @@ class ChildProcess:
             raise RuntimeError(f"{self.name} exited with {self.process.returncode}; its log ends with:\n"
                                f"{self.log_tail()}")
 
+    def serves_health(self, url: str) -> bool:
+        """Whether this process, an HTTP server (the gateway), answers `url`/healthz; raises if it died."""
+        self.check_alive()
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
     def signal(self, signum: int) -> None:
         assert self.process is not None
         self.process.send_signal(signum)

@@ -6,6 +6,9 @@ priority its lines may run at, and the key's id, under which its lines' usage co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
+
+import redis.asyncio
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +31,12 @@ class Owner:
 
 
 ADMIN = Owner()
+
+
+async def page_start(client: redis.asyncio.Redis, listing: str, after: str | None) -> int:
+    """Where a newest-first page of `listing` starts: just past the id `after` (the OpenAI list's
+    cursor), or at the top without one or when `after` is no longer listed."""
+    if after is None:
+        return 0
+    rank = cast(int | None, await client.zrevrank(listing, after))
+    return 0 if rank is None else rank + 1

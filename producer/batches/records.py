@@ -18,7 +18,7 @@ import redis.asyncio
 from pydantic import BaseModel, Field
 from redis.typing import EncodableT, FieldT
 
-from producer.batches.owners import Owner
+from producer.batches.owners import Owner, page_start
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
@@ -172,10 +172,7 @@ class BatchRecords:
         """The batches `viewer` sees, newest first, those after batch `after`, at most `limit`; and
         whether more follow."""
         listing = viewer.listing(self._listing)
-        start = 0
-        if after is not None:
-            rank = cast(int | None, await self.redis.zrevrank(listing, after))
-            start = 0 if rank is None else rank + 1
+        start = await page_start(self.redis, listing, after)
         ids = cast(list[str], await self.redis.zrevrange(listing, start, start + limit))
         batches = []
         for batch_id in ids[:limit]:

@@ -19,7 +19,7 @@ import redis.asyncio
 from pydantic import BaseModel
 
 from producer.batches.blobs import Blobs
-from producer.batches.owners import Owner
+from producer.batches.owners import Owner, page_start
 
 FILE_ID_PATTERN = r"^file-[A-Za-z0-9_-]{1,80}$"
 FilePurpose = Literal["batch", "batch_output"]
@@ -108,10 +108,7 @@ class FileStore:
         """The files `viewer` sees, newest first, those after the file `after`, at most `limit`; and
         whether more follow."""
         listing = viewer.listing(self._listing)
-        start = 0
-        if after is not None:
-            rank = cast(int | None, await self.redis.zrevrank(listing, after))
-            start = 0 if rank is None else rank + 1
+        start = await page_start(self.redis, listing, after)
         files: list[FileObject] = []
         while len(files) <= limit:
             ids = cast(list[str], await self.redis.zrevrange(listing, start, start + 2 * limit))

@@ -160,11 +160,6 @@ class GatewaySettings(ClientSettings):
         default (native requests without `model`, GENQ_GATEWAY_MODEL_NAME)."""
         return self.queues or [self.queue]
 
-    @property
-    def files_enabled(self) -> bool:
-        """Whether the Files and Batch APIs have somewhere to keep files."""
-        return self.files_dir is not None or self.files_s3_bucket is not None
-
     @model_validator(mode="after")
     def _one_file_store(self) -> GatewaySettings:
         """Files live in one place; a bucket needs boto3, refused here so that the gateway does not start."""
