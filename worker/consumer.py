@@ -14,8 +14,9 @@ not raised (Celery would stop the worker).
 
 Task events (for Flower) go out in batches: Celery buffers them and flushes the buffer on the
 next turn of its event loop, waking the loop for each, so nearly every event was its own PUBLISH
-(about 2.4 a request, issue 30). This consumer flushes at most every EVENT_FLUSH_S instead;
-Celery still flushes at once when 24 are waiting, and on shutdown.
+(about 2.4 a request, issue 30). This consumer flushes at most every EVENT_FLUSH_S instead
+(Celery still flushes at once when 24 are waiting), and once more as it shuts down, before Celery
+closes its event dispatcher with the buffer unsent.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class GuardedConsumer(Consumer):
         # Not due any more before the buffer is read: an event appended during the flush sets the next.
         self._flush_due = 0.0
         self._flush_events()
+
+    def shutdown(self) -> None:
+        self._flush_events()
+        super().shutdown()
 
     def call_soon_ack(self, p: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Acknowledge without letting a dead connection stop the worker: after a
