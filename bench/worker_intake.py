@@ -49,6 +49,7 @@ from bench_common import (  # noqa: E402
 )
 from celery import Celery  # noqa: E402
 from service_runners import install_sigterm_as_interrupt  # noqa: E402
+from stream_commands import command_calls  # noqa: E402
 
 from producer.protocol import TASK_NAME  # noqa: E402
 from worker.processes import RedisServer, WorkerProcess, wait_until  # noqa: E402
@@ -97,10 +98,6 @@ def worker_cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
-def commands(client: redis.Redis) -> int:
-    return sum(int(stats["calls"]) for stats in client.info("commandstats").values())
-
-
 def send(sender: Celery, name: str, count: int, rate: float | None, tokens: int) -> None:
     """`count` requests, paced at `rate` a second (a late send is not made up by a burst), or all at once."""
     due = time.monotonic()
@@ -125,20 +122,25 @@ def measure(admin: redis.Redis, celery: Celery, sender: Celery, worker: WorkerPr
     assert worker.pid is not None
     start = (worker.engine_stats(celery) or {})["completed"]
     expected = start + args.requests
-    cpu_before, commands_before, wall_before = worker_cpu(worker.pid), commands(admin), time.monotonic()
+    cpu_before, commands_before, wall_before = worker_cpu(worker.pid), command_calls(admin), time.monotonic()
     sending = threading.Thread(target=send, args=(sender, name, args.requests, rate, args.tokens))
     sending.start()
     sending.join()
     wait_until(lambda: settled(admin, worker, celery, expected), TIMEOUT_S, f"{args.requests} requests of {name}",
                interval=0.02)
     wall = time.monotonic() - wall_before
-    cpu_after, commands_after = worker_cpu(worker.pid), commands(admin)
+    cpu_after, commands_after = worker_cpu(worker.pid), command_calls(admin)
     user, system = (after - before for after, before in zip(cpu_after, cpu_before))
+    # The measurement's own INFO calls and the settled() polling (HLEN, the engine_stats broadcast) included.
+    calls = {name: count - commands_before.get(name, 0) for name, count in commands_after.items()}
+    by_command = {name: round(count / args.requests, 2)
+                  for name, count in sorted(calls.items(), key=lambda item: -item[1]) if count}
     figures = {"requests": args.requests, "wall_s": round(wall, 3), "requests_per_s": round(args.requests / wall, 1),
                "cpu_ms_per_request": round(1000 * (user + system) / args.requests, 3),
                "user_ms_per_request": round(1000 * user / args.requests, 3),
                "system_ms_per_request": round(1000 * system / args.requests, 3),
-               "redis_commands_per_request": round((commands_after - commands_before) / args.requests, 2)}
+               "redis_commands_per_request": round(sum(calls.values()) / args.requests, 2),
+               "redis_commands_per_request_by_command": by_command}
     progress(f"{name}: {figures['requests_per_s']} requests/s, {figures['cpu_ms_per_request']} ms CPU and "
              f"{figures['redis_commands_per_request']} Redis commands a request")
     return figures
@@ -166,9 +168,14 @@ def summary(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Each mode's figures: the rounds' means, and their min and max."""
     out: dict[str, Any] = {}
     for mode in ("paced", "burst"):
-        keys = [k for k in runs[0][mode] if k not in ("requests",)]
+        keys = [k for k in runs[0][mode] if k not in ("requests", "redis_commands_per_request_by_command")]
         out[mode] = {k: round(sum(r[mode][k] for r in runs) / len(runs), 3) for k in keys}
         out[mode]["range"] = {k: [min(r[mode][k] for r in runs), max(r[mode][k] for r in runs)] for k in keys}
+        by_command = [r[mode]["redis_commands_per_request_by_command"] for r in runs]
+        names = sorted({name for counts in by_command for name in counts},
+                       key=lambda name: -sum(counts.get(name, 0) for counts in by_command))
+        out[mode]["redis_commands_per_request_by_command"] = {
+            name: round(sum(counts.get(name, 0) for counts in by_command) / len(runs), 2) for name in names}
     return out
 
 

@@ -1,9 +1,11 @@
 """The worker's kombu transport (worker/broker.py) on the test Redis: one client per channel for
 its one-off commands instead of a new one each (issue 30: the worker's CPU per request), made
-again when kombu replaces the channel's pool, and chosen for redis:// brokers only."""
+again when kombu replaces the channel's pool, its unacknowledged-message index kept without
+MULTI/EXEC and still restored, and chosen for redis:// brokers only."""
 
 from __future__ import annotations
 
+import redis
 from kombu import Connection
 
 from worker.app import create_app
@@ -39,3 +41,41 @@ def test_the_worker_uses_it_for_redis_urls_only():
     assert create_app(Settings(redis_url="redis://localhost:6379/0")).conf.broker_transport == "worker.broker:Transport"
     sentinel = Settings(redis_url="sentinel://localhost:26379", sentinel_master="genq")
     assert create_app(sentinel).conf.broker_transport is None
+
+
+def _calls(client: redis.Redis, command: str) -> int:
+    return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_the_unacked_index_is_written_and_dropped_without_multi(redis_url: str, redis_client: redis.Redis):
+    with Connection(redis_url, transport=Transport) as connection:
+        queue = connection.SimpleQueue("genq-broker-transport-index")
+        queue.put({"n": 2})
+        multi = _calls(redis_client, "multi")  # after the queue's declaration, which keeps kombu's own
+        message = queue.get(timeout=10)
+        tag = message.delivery_tag
+        channel = queue.channel
+        assert redis_client.hexists(channel.unacked_key, tag)
+        assert redis_client.zscore(channel.unacked_index_key, tag) is not None
+        message.ack()
+        assert not redis_client.hexists(channel.unacked_key, tag)
+        assert redis_client.zscore(channel.unacked_index_key, tag) is None
+        assert _calls(redis_client, "multi") == multi
+        queue.close()
+
+
+def test_a_message_unacknowledged_past_the_visibility_timeout_is_restored(redis_url: str,
+                                                                          redis_client: redis.Redis):
+    options = {"visibility_timeout": 0}
+    with Connection(redis_url, transport=Transport, transport_options=options) as connection:
+        queue = connection.SimpleQueue("genq-broker-transport-restore")
+        queue.put({"n": 3})
+        taken = queue.get(timeout=10)
+        assert taken.payload == {"n": 3}
+        channel = queue.channel
+        channel.qos.restore_visible(interval=1)
+        assert not redis_client.hexists(channel.unacked_key, taken.delivery_tag)
+        again = queue.get(timeout=10)
+        assert again.payload == {"n": 3}
+        again.ack()
+        queue.close()

@@ -1,16 +1,18 @@
 """genq as a Celery application sees it (docs/protocol.md section 10): a real
 `genq worker`, a plain Celery worker running the user's own tasks, a plain
 Celery client, and Flower. Revoke, chains, groups, chords, callbacks and
-routing, the documented exc_type values, and the engine lines in Flower."""
+routing, the documented exc_type values, the engine lines and task events in Flower."""
 
 from __future__ import annotations
 
 import json
 import re
 import sys
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -292,6 +294,32 @@ def test_flower_shows_the_engine_stats_as_named_readable_lines(
     assert all(isinstance(value, str) for value in engine.values())
     assert "genq KV cache" in page and "pages in use" in page and "{&#39;active_jobs" not in page
     assert "'active_jobs'" not in page
+
+
+def test_flower_follows_each_generation_through_its_task_events(
+    worker: WorkerProcess, client: Celery, redis_url: str, tmp_path: Path
+):
+    """The worker sends task events in batches (worker/consumer.py): Flower still sees every
+    request received, started and succeeded on this worker."""
+
+    def task_info(task_id: str) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(f"{flower.url}api/task/info/{task_id}", timeout=10) as reply:
+                info: dict[str, Any] = json.loads(reply.read())
+        except urllib.error.HTTPError:
+            return None  # not seen yet
+        done = info.get("state") == "SUCCESS" and all(info.get(k) for k in ("received", "started", "succeeded"))
+        return info if done else None
+
+    with FlowerProcess(redis_url, tmp_path / "flower.log") as flower:
+        wait_until(lambda: flower.engine_stats([worker.node]), 60, "Flower to see the worker", interval=0.5)
+        handles = [client.send_task(TASK_NAME, kwargs={"prompt": f"event {i}", "max_new_tokens": 4}, queue=QUEUE)
+                   for i in range(3)]
+        for handle in handles:
+            handle.get(timeout=60)
+        infos = [wait_until(partial(task_info, handle.id), 30, f"Flower to show task {handle.id} succeeded",
+                            interval=0.2) for handle in handles]
+    assert all(info["worker"] == worker.node and info["name"] == TASK_NAME for info in infos)
 
 
 @pytest.mark.parametrize("continued", [False, True])

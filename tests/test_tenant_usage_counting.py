@@ -1,7 +1,7 @@
 """The worker's side of usage accounting (issue 29), on the test Redis: the publisher counts a
 terminal event's usage once (a resent pipeline counts nothing twice), under its tenant or the
 default one; a failed task counts nothing but frees its API key's slot; the ranking of tenants
-by tokens that gives out the metrics' labels."""
+by tokens that gives out the metrics' labels; the usage keys' expiry set once, at their first count."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import redis.asyncio
 from producer.protocol import StreamEvent, Usage
 from producer.tenants.admission import Admission
 from producer.tenants.keys import KeyLimits, KeyStore
-from producer.tenants.names import DEFAULT_TENANT, hourly, reservation, running_tasks, tenant_usage
+from producer.tenants.names import DEFAULT_TENANT, hourly, reservation, running_tasks, tenant_usage, tenants_used
 from producer.tenants.ranking import top_tenants
-from producer.tenants.settle import hour_of
+from producer.tenants.settle import HOUR_S, hour_of
 from worker.publisher import Publisher
 
 
@@ -93,3 +93,19 @@ def test_a_final_event_counts_once_when_redis_has_not_loaded_the_settlement_scri
     assert counts(redis_client, prefix, "t-flushed", since) == {"prompt_tokens": 6, "completion_tokens": 10,
                                                                 "cached_tokens": 0, "requests": 2}
     assert [tenant for tenant, _ in seen] == ["t-flushed", "t-flushed"]
+
+
+def test_the_usage_keys_expire_an_hour_past_the_retention_set_at_their_first_count_only(redis_client: redis.Redis):
+    prefix, retention = f"ttl-{uuid.uuid4().hex[:8]}", 1000
+    publisher = Publisher(redis_client, prefix, stream_maxlen=100, stream_ttl_s=60, usage_retention_s=retention)
+    publisher.publish([done("ttl-first", Usage(prompt_tokens=1, completion_tokens=1))], tenants={"ttl-first": "t"})
+    hour = hour_of(time.time())
+    usage, tenants = hourly(tenant_usage(prefix, "t"), hour), tenants_used(prefix, hour)
+    assert retention < redis_client.ttl(usage) <= retention + HOUR_S
+    assert retention < redis_client.ttl(tenants) <= retention + HOUR_S
+    redis_client.expire(usage, 100)  # marks the expiry: a later count of this hour must leave it be
+    redis_client.expire(tenants, 100)
+    publisher.publish([done("ttl-second", Usage(prompt_tokens=1, completion_tokens=1))], tenants={"ttl-second": "t"})
+    if hour_of(time.time()) == hour:  # the second count landed in the same hour's keys
+        assert redis_client.ttl(usage) <= 100 and redis_client.ttl(tenants) <= 100
+        assert int(redis_client.hget(usage, "requests") or 0) == 2

@@ -3,7 +3,9 @@ processes, tasks sent with a plain Celery client."""
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -236,6 +238,39 @@ def test_warm_shutdown_finishes_in_flight_jobs_and_stops_consuming(
     events = replay(redis_client, "warm-later")
     assert {e.attempt for e in events} == {result["attempt"]}
     check_stream(events, result["text"])
+
+
+def task_events(watcher: Any) -> list[dict[str, Any]]:
+    """Every Celery event (task.multi batches unpacked) that the pattern subscription holds."""
+    events: list[dict[str, Any]] = []
+    while (message := watcher.get_message(timeout=1.0)) is not None:
+        if message["type"] != "pmessage":
+            continue
+        envelope = json.loads(message["data"])
+        body = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        decoded = json.loads(body)
+        events.extend(decoded if isinstance(decoded, list) else [decoded])
+    return events
+
+
+def test_a_stopping_worker_sends_its_buffered_task_events_before_it_exits(
+    start_worker: Callable[..., WorkerProcess], client: Celery, redis_client: redis.Redis
+):
+    """Task events go out in batches every 100 ms (worker/consumer.py): those of the jobs that
+    finish during a warm shutdown still reach Flower, flushed before Celery closes its dispatcher."""
+    watcher = redis_client.pubsub()
+    watcher.psubscribe("*celeryev*")
+    confirmed = watcher.get_message(timeout=10)
+    assert confirmed is not None and confirmed["type"] == "psubscribe"
+    worker = start_worker("genq-events-stop", shutdown_grace=120)
+    running = start_generating(worker, client, "events-stop", 3)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(120) == 0
+    succeeded = {event["uuid"] for event in task_events(watcher) if event.get("type") == "task-succeeded"}
+    watcher.close()
+    assert {handle.id for handle in running} <= succeeded
 
 
 def test_warm_shutdown_past_its_grace_requeues_jobs_for_the_next_worker(

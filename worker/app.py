@@ -17,6 +17,7 @@ from worker import bootsteps
 from worker.broker import SCHEMES, TRANSPORT
 from worker.lane_cycle import LANE_POLL_S, lane_cycle
 from worker.pacing import paced_result_json
+from worker.results import RESULT_BACKEND
 from worker.settings import Settings
 
 PACED_JSON = "genq-paced-json"
@@ -27,7 +28,11 @@ under that content type, it also decodes what this worker reads back."""
 
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings()
-    app = Celery("genq", broker=settings.broker, backend=settings.backend, include=["worker.tasks"])
+    backend = settings.backend
+    if urlsplit(backend).scheme in SCHEMES:
+        # Celery's Redis backend, two commands fewer per stored state (worker/results.py); Sentinel keeps Celery's.
+        backend = f"{RESULT_BACKEND}+{backend}"
+    app = Celery("genq", broker=settings.broker, backend=backend, include=["worker.tasks"])
     config = celery_base_config(settings)
     # Sweep for abandoned (killed-worker) tasks often enough to honour a short visibility timeout;
     # it must exceed the longest generation, since acks_late keeps a running task unacknowledged.

@@ -80,14 +80,18 @@ class ControlListener:
     def _sweep_cancel_keys(self) -> None:
         """Control messages are at-most-once (one published while the
         subscription reconnects is lost); the cancel keys are not, so running
-        jobs' keys are checked whenever the channel is quiet for a second."""
+        jobs' keys are checked whenever the channel is quiet for a second: one
+        EXISTS over them all (nearly always 0), and only when some exist, which."""
         identifiers = self.loop.active_identifiers()
         if not identifiers:
             return
+        keys = [cancel_key(identifier, self.key_prefix) for identifier in identifiers]
         try:
+            if not self.client.exists(*keys):
+                return
             pipe = self.client.pipeline(transaction=False)
-            for identifier in identifiers:
-                pipe.exists(cancel_key(identifier, self.key_prefix))
+            for key in keys:
+                pipe.exists(key)
             flags = pipe.execute()
         except redis.RedisError:
             log.warning("control channel: could not check cancel keys")

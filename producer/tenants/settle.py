@@ -5,7 +5,10 @@ use), in ONE script call. The worker runs it in the pipeline that carries the ta
 it admitted but could not enqueue.
 
 Each usage hash (`names.hourly(stem, hour)`) holds prompt_tokens, completion_tokens,
-cached_tokens and requests, and expires `retention_s` after its last count. A marker key makes
+cached_tokens and requests, and expires `retention_s` plus an hour after its first count: at least
+`retention_s` after its last, since every count of an hour's hash falls within that hour. Its
+expiry (and that of the hour's set of tenants) is set once, as the hash (the set member) is
+created, instead of again at every count: two commands a settled task (issue 30). A marker key makes
 the count happen once per task identifier even when Redis applied a pipeline whose reply was lost
 and the worker sends it again. Only tasks that end with a result count (done, length, cancelled,
 expired); a failed task counts no usage and keeps the tokens it reserved (no refund), but frees
@@ -25,7 +28,7 @@ from producer.tenants.names import DEFAULT_TENANT, counted, hourly, reservation,
 
 HOUR_S = 3600
 DEFAULT_USAGE_RETENTION_S = 90 * 86400
-"""How long an hour's usage hash lives after its last count (the worker's GENQ_USAGE_RETENTION_S)."""
+"""How long an hour's usage hash lives at least after its last count (the worker's GENQ_USAGE_RETENTION_S)."""
 
 
 class Refund(Enum):
@@ -49,11 +52,9 @@ if ARGV[3] == '1' and redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[9]) then
     redis.call('HINCRBY', hash, 'prompt_tokens', prompt)
     redis.call('HINCRBY', hash, 'completion_tokens', completion)
     redis.call('HINCRBY', hash, 'cached_tokens', cached)
-    redis.call('HINCRBY', hash, 'requests', 1)
-    redis.call('EXPIRE', hash, ARGV[8])
+    if redis.call('HINCRBY', hash, 'requests', 1) == 1 then redis.call('EXPIRE', hash, ARGV[8]) end
   end
-  redis.call('SADD', KEYS[4], ARGV[2])
-  redis.call('EXPIRE', KEYS[4], ARGV[8])
+  if redis.call('SADD', KEYS[4], ARGV[2]) == 1 then redis.call('EXPIRE', KEYS[4], ARGV[8]) end
   counted = 1
 end
 if held.reserved then
@@ -93,7 +94,8 @@ class Settlement:
     def args(self, hour: int, retention_s: int, marker_ttl_s: int) -> list[str | int]:
         usage = self.usage or Usage()
         return [self.identifier, self.tenant_name, "1" if self.usage is not None else "0", usage.prompt_tokens,
-                usage.completion_tokens, usage.cached_tokens, hour, retention_s, marker_ttl_s, self.refund.value]
+                usage.completion_tokens, usage.cached_tokens, hour, retention_s + HOUR_S, marker_ttl_s,
+                self.refund.value]
 
     @property
     def tenant_name(self) -> str:
