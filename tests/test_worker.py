@@ -197,6 +197,9 @@ def test_sigkilled_worker_loses_nothing_its_tasks_complete_on_the_next(
     queue = "genq-kill"
     first = start_worker(queue, visibility_timeout=20)
     handles = start_generating(first, client, "kill", 20)
+    # Generated is not yet published: kill only once every job's first attempt is on its stream.
+    wait_until(lambda: all(replay(redis_client, f"kill-{i}") for i in range(20)), 120,
+               "every job's attempt-1 events on its replay stream")
     first.kill()
     start_worker(queue, visibility_timeout=20)
     for i, handle in enumerate(handles):
