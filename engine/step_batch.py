@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Container
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ class SampledJob:
 
     sequence: Sequence
     first: int
-    draft: list[int]
+    draft: Seq[int]
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ class Drawn:
 class StepBatch:
     """The forward's rows, the sampler's rows (plain and verify), the jobs they belong to, the
     prompt chunks being scored, and (when those chunks ask for more logits) which logits rows the
-    sample rows take. prompt_tokens: prompt tokens the step computes (not served from the cache)."""
+    sample rows take. prompt_tokens: prompt tokens the step computes (not served from the cache).
+    prompts_done: the jobs whose prompt is scored whole once the step ran (their last chunk samples),
+    so the step's completion does not look at every row for them."""
 
     rows: list[BatchRow]
     samples: list[SampleRow]
@@ -58,6 +61,7 @@ class StepBatch:
     prompts: list[PromptChunk]
     sample_at: list[int] | None
     prompt_tokens: int
+    prompts_done: list[Sequence]
 
     @classmethod
     def build(cls, scheduled: tuple[ScheduledSequence, ...], drafts: dict[int, list[int]],
@@ -68,11 +72,12 @@ class StepBatch:
         samples: list[SampleRow] = []
         sampled: list[SampledJob] = []
         prompts: list[PromptChunk] = []
+        prompts_done: list[Sequence] = []
         sample_at: list[int] = []  # the logits row of each sample row
         logits_rows = prompt_tokens = 0
         for item in scheduled:
             sequence = item.sequence
-            draft = drafts.get(sequence.serial, []) if drafts else []
+            draft: Seq[int] = drafts.get(sequence.serial, ()) if drafts else ()
             if item.num_tokens == 1 and item.samples and not draft and sequence.job.prompt_logprobs is None:
                 # a decode row (nearly every row of a decode step): one logits row, one sample row
                 row = BatchRow.scheduled(item)
@@ -90,6 +95,8 @@ class StepBatch:
                 chunk = PromptChunk.of(sequence, row.start, item.num_tokens, logits_rows)
                 if chunk is not None:
                     prompts.append(chunk)
+                if item.samples:
+                    prompts_done.append(sequence)
             logits_rows += row.num_logits
             if item.samples:
                 sample_at += range(logits_rows - 1 - len(draft), logits_rows)
@@ -99,7 +106,7 @@ class StepBatch:
             if sequence.num_computed < sequence.num_prompt_tokens:
                 prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
         picked = sample_at if logits_rows > len(sample_at) else None  # prompt rows besides the sample rows
-        return cls(rows, samples, sampled, prompts, picked, prompt_tokens)
+        return cls(rows, samples, sampled, prompts, picked, prompt_tokens, prompts_done)
 
     @torch.inference_mode()
     def run(self, runner: ModelRunner, sampler: BatchSampler, inputs: ForwardBatch) -> Drawn:
@@ -178,22 +185,23 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
     fails its job alone, its batch neighbours go on."""
     tokens, logprobs = drawn.tokens, drawn.logprobs
     taken = Taken()
-    appended = taken.appended
+    appended, ended = taken.appended, taken.ended
+    plain = 0  # tokens the one-token path appended
     for job in sampled:
         sequence, first, draft = job.sequence, job.first, job.draft
         serial = sequence.serial
         state = states.get(serial)
         if state is None or serial in decided:
             continue
-        if not draft and state.constraint is None and not logprobs and tokens[first] >= 0:
+        token = tokens[first]
+        if not draft and state.constraint is None and not logprobs and token >= 0:
             # append_tokens for one plain token without its loop and grammar: nearly every job of a
             # decode step
-            token = tokens[first]
             sequence.append(token)
-            taken.generated += 1
+            plain += 1
             appended.append(StepTokens(sequence, [token]))
             if ends_with(sequence, state, token, sequence.num_generated):
-                taken.ended.append(sequence)
+                ended.append(sequence)
             continue
         emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
         if emitted[-1] < 0:
@@ -212,6 +220,7 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
         taken.appended.append(StepTokens(sequence, kept, kept_logprobs, complete))
         if done:
             taken.ended.append(sequence)
+    taken.generated += plain
     return taken
 
 
