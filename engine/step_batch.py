@@ -29,8 +29,8 @@ from engine.spec_decode import accept, verify_rows
 
 @dataclass(slots=True)
 class SampledJob:
-    """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified.
-    Not frozen, as SampleRow."""
+    """A job whose rows sample in the step, after its leading plain decode rows (StepBatch.decoding,
+    which need none): its rows start at `first`; draft: the tokens verified. Not frozen, as SampleRow."""
 
     sequence: Sequence
     first: int
