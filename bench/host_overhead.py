@@ -52,8 +52,14 @@ To measure an older engine with this script, put its checkout first on
 PYTHONPATH (`git archive REV | tar -x -C DIR`; PYTHONPATH=DIR) and pass
 --label: the sampler timer falls back to engine.generator.sample there.
 
+The engine is set up as the worker's startup leaves it: once loaded, its heap is settled
+(engine/heap.py: collected, frozen, a higher young-generation threshold); engines before
+engine/heap.py keep the collector's defaults.
+
 With `--label NAME` the run is stored under that label; the labels already in
 the JSON are kept, so docs/benchmarks.md's before/after table comes from one file.
+The figure draws this run's labels only (the JSON holds dozens), or with
+`--plot-labels PATTERN ...` the stored labels matching any of the shell-style patterns.
 Writes bench/results/host_overhead.{json,png} (host_overhead_quick.* with
 --quick) and prints a markdown table.
 """
@@ -61,11 +67,13 @@ Writes bench/results/host_overhead.{json,png} (host_overhead_quick.* with
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +95,11 @@ import engine.generator
 from engine import Generator, Job, SamplerSettings
 from engine.batch import ForwardBatch
 from engine.synthetic import word_tokens
+
+try:
+    from engine.heap import settle_startup_heap
+except ImportError:  # an engine before engine/heap.py (measured via PYTHONPATH): the collector's defaults
+    settle_startup_heap = None
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -122,6 +135,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--synthetic-forward-ms", type=float, default=None, metavar="F",
                         help="a forward that waits F ms with the GIL released (a GPU's, e.g. 10-15); measures "
                              "overlap off and on side by side, in wall time")
+    parser.add_argument("--plot-labels", nargs="+", metavar="PATTERN",
+                        help="draw the stored labels matching these shell-style patterns (default: this run's)")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and (args.overlap or args.synthetic_forward_ms is not None):
         parser.error("--clock cpu times one thread; with overlap the forward and sampling run on another")
@@ -289,6 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if synthetic is not None:
             SyntheticForward.install(gen, synthetic)
         engines.append((gen, ForwardTimer(gen.model), sampler_timer(gen)))
+    if settle_startup_heap is not None:
+        settle_startup_heap()
     points: list[list[dict[str, Any]]] = [[] for _ in overlaps]
     for mode in SETTINGS:
         for num_jobs in SYNTHETIC_BATCHES if synthetic is not None else BATCHES:
@@ -304,23 +321,25 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "overlap": overlap,
         "synthetic_forward_ms": synthetic,
         "preset": args.preset,
+        "heap_settled": settle_startup_heap is not None,
         "points": measured,
     } for label, overlap, measured in zip(labels, overlaps, points)}
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    """One row for the runs with the model's forward, one for those with the synthetic forward."""
-    groups = [[label for label, r in results["runs"].items() if bool(r.get("synthetic_forward_ms")) is synthetic]
+def plot(results: dict[str, Any], path: Path, labels: Sequence[str]) -> None:
+    """The runs of `labels`: one row for those with the model's forward, one for those with the synthetic forward."""
+    runs = {label: results["runs"][label] for label in labels}
+    groups = [[label for label, r in runs.items() if bool(r.get("synthetic_forward_ms")) is synthetic]
               for synthetic in (False, True)]
-    groups = [labels for labels in groups if labels]
+    groups = [group for group in groups if group]
     modes = list(SETTINGS)
     fig, axes = plt.subplots(len(groups), len(modes), figsize=(8 * len(modes), 5 * len(groups)), squeeze=False)
-    for row, labels in zip(axes, groups):
-        batches = sorted({p["jobs"] for label in labels for p in results["runs"][label]["points"]})
+    for row, group in zip(axes, groups):
+        batches = sorted({p["jobs"] for label in group for p in runs[label]["points"]})
         for ax, mode in zip(row, modes):
-            for i, label in enumerate(labels):
-                points = [p for p in results["runs"][label]["points"] if p["mode"] == mode]
-                xs, width = side_by_side(len(batches), len(labels), i)
+            for i, label in enumerate(group):
+                points = [p for p in runs[label]["points"] if p["mode"] == mode]
+                xs, width = side_by_side(len(batches), len(group), i)
                 xs = [xs[batches.index(p["jobs"])] for p in points]
                 bottom = [0.0] * len(points)
                 for key, part, alpha in (("host_excl_sampler_ms", "host", 1.0), ("sampler_ms", "sampler", 0.6),
@@ -329,7 +348,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
                     ax.bar(xs, values, width, bottom=bottom, alpha=alpha, label=f"{label}: {part}")
                     bottom = [b + v for b, v in zip(bottom, values)]
             ax.set_xticks(range(len(batches)), [f"{n} jobs" for n in batches])
-            forward = "synthetic forward" if results["runs"][labels[0]].get("synthetic_forward_ms") else "forward"
+            forward = "synthetic forward" if runs[group[0]].get("synthetic_forward_ms") else "forward"
             ax.set_title(f"{mode}: median decode step (host, sampler, {forward} stacked)")
             ax.set_ylabel("ms per decode step")
             ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: one entry per run and part
@@ -354,8 +373,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     results: dict[str, Any] = {"method": __doc__, "runs": {}}
     if existing.exists():
         results["runs"] = json.loads(existing.read_text()).get("runs", {})
-    results["runs"].update(run(args))
-    write_results(results, args.out, "host_overhead", args.quick, plot, table)
+    current = run(args)
+    results["runs"].update(current)
+    if args.plot_labels:
+        drawn = [label for label in results["runs"] if any(fnmatch.fnmatchcase(label, p) for p in args.plot_labels)]
+        if not drawn:
+            raise SystemExit(f"no stored label matches {args.plot_labels}")
+    else:
+        drawn = list(current)
+    write_results(results, args.out, "host_overhead", args.quick, partial(plot, labels=drawn), table)
 
 
 if __name__ == "__main__":

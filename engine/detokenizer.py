@@ -21,7 +21,9 @@ Fast path: for a byte-level BPE tokenizer (GPT-2, Llama-3, Qwen, SmolLM2) decode
 is the UTF-8 decoding, invalid bytes as U+FFFD, of the concatenated bytes of the
 tokens, so the window's text is the released prefix's text plus the decoding of
 the held bytes and the new ones. While the released text ends on a whole
-character, the new bytes decode cleanly (no U+FFFD) and fewer than
+character, the new bytes' decoding does not end in U+FFFD (an incomplete
+character at their end is held; invalid bytes before it come out as U+FFFD, as
+in the window's decoding) and fewer than
 RESYNC_AFTER_TOKENS tokens are held, add() computes that from a per-token bytes
 table and an incomplete-character byte buffer instead of calling the tokenizer,
 and moves the window exactly as the general path would (same state, same
@@ -237,11 +239,14 @@ class IncrementalDetokenizer:
         try:
             chunk, pending = data.decode(), b""
         except UnicodeDecodeError as error:
-            # Only an incomplete character at the very end is held; invalid bytes take the general path.
-            if error.end != len(data) or error.reason != "unexpected end of data":
-                return None
-            chunk, pending = data[: error.start].decode(), data[error.start :]
-        if REPLACEMENT_CHAR in chunk:
+            if error.end == len(data) and error.reason == "unexpected end of data":
+                # an incomplete character at the very end is held
+                chunk, pending = data[: error.start].decode(), data[error.start :]
+            else:
+                # invalid bytes come out as U+FFFD, as the window's decoding renders them (prefix_text
+                # ends on a whole character, so the window's text is prefix_text + ahead + this)
+                chunk, pending = data.decode(errors="replace"), b""
+        if chunk.endswith(REPLACEMENT_CHAR):
             return None  # the general path holds text ending in U+FFFD: let it decide
         self._window += ids
         self._pending = pending
@@ -249,10 +254,8 @@ class IncrementalDetokenizer:
             self._ahead += chunk
             return chunk
         added, self._ahead = self._ahead + chunk, ""
-        if added:  # as _commit with text = prefix_text + added
+        if added:  # as _commit with text = prefix_text + added (a window cut checks the fast path again)
             self._advance(len(self._window), self._prefix_text + added)
-            # A cut window's prefix may start inside a character and so end in U+FFFD.
-            self._check_fast()
         elif self._prefix_text:
             del self._window[self._read :]
         else:
@@ -350,6 +353,8 @@ class IncrementalDetokenizer:
             self._read -= self._cut
             self._cut = 0
             self._prefix_text = self._decode(self._window[: self._read])
+            # The cut window's prefix may start inside a character and so end in U+FFFD.
+            self._check_fast()
 
     def _emit(self, chunk: str) -> str:
         if chunk:

@@ -32,6 +32,8 @@ def encode_scheduled(scheduled: Seq[ScheduledSequence]) -> dict[int, str]:
     by_encoder: dict[int, tuple[DeferredEncoder, dict[int, list[DeferredEmbedding]]]] = {}
     for item in scheduled:
         sequence = item.sequence
+        if not sequence.job.embeddings:
+            continue  # a text-only job (every row of a text-only step): nothing to encode
         for embedding in _needed(sequence):
             jobs = by_encoder.setdefault(id(embedding.encoder), (embedding.encoder, {}))[1]
             jobs.setdefault(sequence.serial, []).append(embedding)

@@ -326,8 +326,8 @@ class Generator:
         """Wait for the step, let each job take its tokens and update the scheduler. Jobs in
         decided (finished or rewound by text produced meanwhile) take nothing from this step."""
         drawn = step.work.result()
-        self.outputs.score_prompts(drawn.prompts, schedule.scheduled)
-        taken = take_tokens(step.batch.sampled, drawn, self._sampling, decided, self.sampler)
+        self.outputs.score_prompts(drawn.prompts, step.batch.prompts_done)
+        taken = take_tokens(step.batch, drawn, self._sampling, decided, self.sampler)
         self.counters.generated_tokens += taken.generated
         for serial, kept in taken.accepted.items():
             self.counters.drafted_tokens += taken.drafted[serial]

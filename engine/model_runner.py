@@ -79,20 +79,32 @@ class BatchBuilder:
         if entry is not None:
             self._free.append(entry[0])
 
-    def build(self, rows: Seq[BatchRow], adapters: bool = True) -> ForwardBatch:
-        """adapters=False leaves out the rows' LoRA adapters (the draft model runs without them)."""
+    def build(self, rows: Seq[BatchRow], adapters: bool = True, decoding: Seq[Sequence] = ()) -> ForwardBatch:
+        """adapters=False leaves out the rows' LoRA adapters (the draft model runs without them).
+        decoding: sequences whose next row is a plain decode (their token at num_computed, its logits
+        wanted), placed before `rows`: a decode step passes its rows so, and no BatchRow is built for
+        them (vLLM v1's persistent InputBatch: the inputs come from the sequence's own state)."""
         known = self._rows
         table_rows: list[int] = []
         starts: list[int] = []
         firsts: list[int] = []
-        wants: list[int] = []
         single = True  # every row one token, no embeddings: the vectorised decode build
         adapted = False
-        for row in rows:  # one pass over the rows: a decode step's host time grows with them
-            sequence = row.sequence
+        for sequence in decoding:  # one pass over the rows: a decode step's host time grows with them
             entry = known.get(sequence.serial)
             table_rows.append(entry[0] if entry is not None and entry[1] == sequence.page_version
                               else self._table_row(sequence))
+            start = sequence.num_computed
+            starts.append(start)
+            firsts.append(sequence.token_ids[start])
+            if sequence.job.embeddings:
+                single = False
+            if sequence.adapter is not None:
+                adapted = True
+        wants = [1] * len(decoding)
+        for row in rows:
+            sequence = row.sequence
+            table_rows.append(self._table_row(sequence))
             if single:
                 if len(row.tokens) != 1 or sequence.job.embeddings:
                     single = False
@@ -107,10 +119,11 @@ class BatchBuilder:
             batch = self._single_token_rows(np.asarray(starts, dtype=np.int64), np.asarray(firsts, dtype=np.int64),
                                             np.asarray(wants, dtype=np.int64), table)
         else:
-            batch = self._general(rows, table)
+            decoded = (BatchRow(s, start, (token,), 1) for s, start, token in zip(decoding, starts, firsts))
+            batch = self._general([*decoded, *rows], table)
         if adapters and adapted:
-            batch.lora = LoraBatch.build(((row.sequence.adapter, len(row.tokens)) for row in rows), self.device,
-                                         self.lora_slots)
+            every = [*((s.adapter, 1) for s in decoding), *((row.sequence.adapter, len(row.tokens)) for row in rows)]
+            batch.lora = LoraBatch.build(every, self.device, self.lora_slots)
         return batch
 
     def _table_row(self, sequence: Sequence) -> int:

@@ -20,7 +20,6 @@ from engine.banned_strings import MAX_REWINDS, BannedStringGuard
 from engine.detokenizer import IncrementalDetokenizer
 from engine.job import Job
 from engine.outputs import EngineOutput, FinishReason, Stage, TokenLogprob
-from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.stops import StopStringMatcher
 from engine.tokenizer import Tokenizer
@@ -148,18 +147,17 @@ class OutputProcessor:
         state.accepted_draft_tokens += kept
         state.rejected_draft_tokens += drafted - kept
 
-    def score_prompts(self, scored: dict[int, tuple[int, list[TokenLogprob]]],
-                      scheduled: Seq[ScheduledSequence]) -> None:
+    def score_prompts(self, scored: dict[int, tuple[int, list[TokenLogprob]]], done: Seq[Sequence]) -> None:
         """The prompt log-probabilities a step's prefill chunks scored (serial -> the position of
         the first, entries; a chunk computed again after a preemption rewrites the same values);
-        a prompt whose last chunk ran is scored whole (it is no longer kept from the prefix cache)."""
+        the prompts in done (their last chunk ran) are scored whole (no longer kept from the prefix
+        cache)."""
         for serial, (first, entries) in scored.items():
             state = self.states.get(serial)
             if state is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs[first : first + len(entries)] = entries
-        for item in scheduled:
-            if item.samples and item.sequence.scores_prompt:
-                item.sequence.prompt_scored = True
+        for sequence in done:
+            sequence.prompt_scored = True
 
     def _detokenizer(self, job: Job, token_ids: Seq[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, [t for t in token_ids if t not in job.embedding_rows],

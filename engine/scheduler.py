@@ -124,6 +124,9 @@ class Scheduler:
         self.max_skips = max_skips
         self.waiting = FairQueue(tenant_weights)
         self._running: dict[int, Sequence] = {}
+        # serial -> the schedule entry of a plain decode (one token, sampled, no draft room): the
+        # same immutable entry every step the sequence decodes, built once instead of per step
+        self._decode_items: dict[int, ScheduledSequence] = {}
         self.num_preemptions = 0
         self.newcomer_first = newcomer_first
         self._newcomer_step = False  # the last step was a newcomer step
@@ -143,6 +146,7 @@ class Scheduler:
 
     def remove(self, sequence: Sequence) -> None:
         """Drop a finished or cancelled sequence and free its pages now."""
+        self._decode_items.pop(sequence.serial, None)
         if self._running.pop(sequence.serial, None) is not None:
             self.waiting.stopped(sequence)
         elif sequence in self.waiting:
@@ -154,6 +158,7 @@ class Scheduler:
         rewind) to the head of the queue to be prefilled again, as a preemption does: its pages
         go back (named ones stay in the prefix cache, so the kept prefix is found again). It may
         have finished meanwhile (removed), then it simply runs again."""
+        self._decode_items.pop(sequence.serial, None)
         running = self._running.pop(sequence.serial, None) is not None
         if not running and sequence in self.waiting:
             self.waiting.remove(sequence)
@@ -313,7 +318,14 @@ class Scheduler:
         """Add the sequence's next num_tokens known tokens to this step and name
         the pages they complete (never pages that only draft tokens reach)."""
         end = sequence.num_computed + num_tokens
-        step.scheduled.append(ScheduledSequence(sequence, num_tokens, end == len(sequence.token_ids), draft_room))
+        samples = end == len(sequence.token_ids)
+        if num_tokens == 1 and samples and not draft_room:
+            item = self._decode_items.get(sequence.serial)
+            if item is None:
+                item = self._decode_items[sequence.serial] = ScheduledSequence(sequence, 1, True)
+        else:
+            item = ScheduledSequence(sequence, num_tokens, samples, draft_room)
+        step.scheduled.append(item)
         step.chosen.add(sequence.serial)
         step.budget -= num_tokens + draft_room
         self.kv.name_full_pages(sequence, end)
@@ -336,6 +348,7 @@ class Scheduler:
 
     def _preempt(self, sequence: Sequence, step: _Draft) -> None:
         del self._running[sequence.serial]
+        self._decode_items.pop(sequence.serial, None)
         self.kv.free(sequence)
         sequence.num_computed = 0
         self.waiting.add(sequence, front=True)

@@ -97,8 +97,10 @@ class Drafter:
     def propose(self, items: Seq[ScheduledSequence], states: dict[int, SamplingState]) -> dict[int, list[int]]:
         """serial -> draft tokens, for the jobs the scheduler left room for (stateful jobs never draft);
         a constrained job's draft stops where its grammar would refuse it."""
+        if not self.active:
+            return {}
         items = [item for item in items if item.draft_room and not item.sequence.job.gen_settings.stateful]
-        if not items or not self.active:
+        if not items:
             return {}
         if self.use_ngram:
             drafts = {item.sequence.serial: self._ngram(item.sequence)[: item.draft_room] for item in items}

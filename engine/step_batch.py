@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Container
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 
 import torch
 
@@ -27,12 +29,12 @@ from engine.spec_decode import accept, verify_rows
 
 @dataclass(slots=True)
 class SampledJob:
-    """A job whose rows sample in the step: its rows start at `first`; draft: the tokens verified.
-    Not frozen, as SampleRow."""
+    """A job whose rows sample in the step, after its leading plain decode rows (StepBatch.decoding,
+    which need none): its rows start at `first`; draft: the tokens verified. Not frozen, as SampleRow."""
 
     sequence: Sequence
     first: int
-    draft: list[int]
+    draft: Seq[int]
 
 
 @dataclass(frozen=True)
@@ -50,46 +52,56 @@ class Drawn:
 class StepBatch:
     """The forward's rows, the sampler's rows (plain and verify), the jobs they belong to, the
     prompt chunks being scored, and (when those chunks ask for more logits) which logits rows the
-    sample rows take. prompt_tokens: prompt tokens the step computes (not served from the cache)."""
+    sample rows take. decoding: the step's leading plain decode rows (one token, one sample row,
+    no draft), first in the forward, the logits and the sample rows, as sequences alone: nothing is
+    built per job for them but their SampleRow; rows and sampled: the rows and sampling jobs after
+    them. prompt_tokens: prompt tokens the step computes (not served from the cache). prompts_done:
+    the jobs whose prompt is scored whole once the step ran (their last chunk samples), so the
+    step's completion does not look at every row for them."""
 
+    decoding: list[Sequence]
     rows: list[BatchRow]
     samples: list[SampleRow]
     sampled: list[SampledJob]
     prompts: list[PromptChunk]
     sample_at: list[int] | None
     prompt_tokens: int
+    prompts_done: list[Sequence]
 
     @classmethod
     def build(cls, scheduled: tuple[ScheduledSequence, ...], drafts: dict[int, list[int]],
               states: dict[int, SamplingState]) -> StepBatch:
         """The batch of the scheduled sequences, each sampling one row, or k + 1 verify rows for a
         draft of k tokens."""
+        decoding: list[Sequence] = []
         rows: list[BatchRow] = []
         samples: list[SampleRow] = []
         sampled: list[SampledJob] = []
         prompts: list[PromptChunk] = []
-        sample_at: list[int] = []  # the logits row of each sample row
-        logits_rows = prompt_tokens = 0
-        for item in scheduled:
+        prompts_done: list[Sequence] = []
+        prompt_tokens = 0
+        for item in scheduled:  # the leading plain decode rows (nearly every row of a decode step)
             sequence = item.sequence
-            draft = drafts.get(sequence.serial, []) if drafts else []
-            if item.num_tokens == 1 and item.samples and not draft and sequence.job.prompt_logprobs is None:
-                # a decode row (nearly every row of a decode step): one logits row, one sample row
-                row = BatchRow.scheduled(item)
-                rows.append(row)
-                sample_at.append(logits_rows)
-                logits_rows += 1
-                sampled.append(SampledJob(sequence, len(samples), draft))
-                samples.append(SampleRow.next_token(sequence, states[sequence.serial]))
-                if row.start < sequence.num_prompt_tokens:
-                    prompt_tokens += 1
-                continue
+            if (item.num_tokens != 1 or not item.samples or sequence.job.prompt_logprobs is not None
+                    or (drafts and drafts.get(sequence.serial))):
+                break
+            decoding.append(sequence)
+            samples.append(SampleRow.next_token(sequence, states[sequence.serial]))
+            if sequence.num_computed < sequence.num_prompt_tokens:
+                prompt_tokens += 1
+        sample_at = list(range(len(decoding)))  # the logits row of each sample row
+        logits_rows = len(decoding)
+        for item in scheduled[len(decoding):]:
+            sequence = item.sequence
+            draft: Seq[int] = drafts.get(sequence.serial, ()) if drafts else ()
             row = BatchRow.scheduled(item, draft)
             rows.append(row)
             if sequence.scores_prompt:
                 chunk = PromptChunk.of(sequence, row.start, item.num_tokens, logits_rows)
                 if chunk is not None:
                     prompts.append(chunk)
+                if item.samples:
+                    prompts_done.append(sequence)
             logits_rows += row.num_logits
             if item.samples:
                 sample_at += range(logits_rows - 1 - len(draft), logits_rows)
@@ -99,7 +111,7 @@ class StepBatch:
             if sequence.num_computed < sequence.num_prompt_tokens:
                 prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
         picked = sample_at if logits_rows > len(sample_at) else None  # prompt rows besides the sample rows
-        return cls(rows, samples, sampled, prompts, picked, prompt_tokens)
+        return cls(decoding, rows, samples, sampled, prompts, picked, prompt_tokens, prompts_done)
 
     @torch.inference_mode()
     def run(self, runner: ModelRunner, sampler: BatchSampler, inputs: ForwardBatch) -> Drawn:
@@ -138,7 +150,7 @@ class StepLauncher:
         """The forward's inputs are built here, on the step's thread: with overlap the worker thread
         then only waits for the device and samples, and does not queue for the GIL behind the text
         of the previous step before its forward can start."""
-        inputs = self.runner.builder.build(batch.rows)
+        inputs = self.runner.builder.build(batch.rows, decoding=batch.decoding)
         if self._executor is not None:
             started = threading.Event()
 
@@ -170,30 +182,32 @@ class Taken:
     generated: int = 0
 
 
-def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, SamplingState],
-                decided: Container[int], sampler: BatchSampler) -> Taken:
-    """Verify each job's draft against what its rows drew and append the tokens it keeps. A job
-    that left meanwhile (no sampling state) or in decided (finished or rewound by text produced
+def take_tokens(batch: StepBatch, drawn: Drawn, states: dict[int, SamplingState], decided: Container[int],
+                sampler: BatchSampler) -> Taken:
+    """Verify each sampling job's draft against what its rows drew and append the tokens it keeps. A
+    job that left meanwhile (no sampling state) or in decided (finished or rewound by text produced
     meanwhile) takes nothing; a row with nothing to draw, or a grammar refusing what was drawn,
     fails its job alone, its batch neighbours go on."""
     tokens, logprobs = drawn.tokens, drawn.logprobs
     taken = Taken()
-    appended = taken.appended
-    for job in sampled:
-        sequence, first, draft = job.sequence, job.first, job.draft
+    appended, ended = taken.appended, taken.ended
+    plain = 0  # tokens the one-token path appended
+    jobs = chain(zip(batch.decoding, range(len(batch.decoding)), repeat(())),
+                 ((job.sequence, job.first, job.draft) for job in batch.sampled))
+    for sequence, first, draft in jobs:
         serial = sequence.serial
         state = states.get(serial)
         if state is None or serial in decided:
             continue
-        if not draft and state.constraint is None and not logprobs and tokens[first] >= 0:
+        token = tokens[first]
+        if not draft and state.constraint is None and not logprobs and token >= 0:
             # append_tokens for one plain token without its loop and grammar: nearly every job of a
             # decode step
-            token = tokens[first]
             sequence.append(token)
-            taken.generated += 1
+            plain += 1
             appended.append(StepTokens(sequence, [token]))
             if ends_with(sequence, state, token, sequence.num_generated):
-                taken.ended.append(sequence)
+                ended.append(sequence)
             continue
         emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
         if emitted[-1] < 0:
@@ -212,6 +226,7 @@ def take_tokens(sampled: list[SampledJob], drawn: Drawn, states: dict[int, Sampl
         taken.appended.append(StepTokens(sequence, kept, kept_logprobs, complete))
         if done:
             taken.ended.append(sequence)
+    taken.generated += plain
     return taken
 
 

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.heap import settle_startup_heap
+
 
 def schedstat_path(pid: int | None = None, tid: int | None = None) -> Path:
     """A thread's schedstat: this thread's by default."""
@@ -54,14 +56,16 @@ COLLECTIONS = _CollectionClock()
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """What is alive now is left out of the collector's passes, as the worker does after its
-    warm-up; the session's heap is collected normally again afterwards."""
-    gc.collect()
-    gc.freeze()
+    """The collector as the worker leaves it after its warm-up (engine/heap.py: what is alive now
+    left out of its passes, the young generation collected less often); the session's heap is
+    collected as before afterwards."""
+    threshold = gc.get_threshold()
+    settle_startup_heap()
     try:
         yield
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 def run_queue_wait_s(path: Path) -> float:

@@ -4,7 +4,6 @@ EngineStep bootstep and shared by every task thread."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import threading
@@ -19,6 +18,7 @@ from celery.signals import task_success
 
 from engine import Generator
 from engine.errors import AdapterLoadError
+from engine.heap import settle_startup_heap
 from engine.progress import LoadProgress
 from engine.synthetic import SyntheticGenerator
 from producer.protocol import TASK_NAME
@@ -69,8 +69,8 @@ class Runtime:
         task_success.connect(partial(forget_final_record, publisher), weak=False)
         log.info("warmed up the engine in %.2f s", generator.warmup())
         # What is alive now (model, Celery, imports) lives as long as the process: the collector's
-        # full passes, which stop every thread (the engine loop too), need not walk it again.
-        gc.freeze()
+        # passes, which stop every thread (the engine loop too), need not walk it again.
+        settle_startup_heap()
         # How long another thread may keep the GIL once the loop's forward is over (bench/celery_gil.py).
         sys.setswitchinterval(settings.switch_interval_ms / 1000)
         loop = EngineLoop(generator, publisher, on_finished=metrics.observe if metrics else None,
