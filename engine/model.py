@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from engine.batch import ForwardBatch
 from engine.cache import KVCache
 from engine.config import ModelConfig
@@ -90,9 +89,7 @@ class CausalLM(nn.Module):
 
     def bind_cache(self, cache: KVCache) -> None:
         """Give each layer its slices of the cache's K/V tensors, once per cache
-        (not per forward: static addresses, as CUDA-graph capture needs). On CPU each layer's
-        slices keep their decode rows' gathered pages between steps (kernels.keep_gathered:
-        nothing but write_kv writes them)."""
+        (not per forward: static addresses, as CUDA-graph capture needs)."""
         if cache.k.shape[0] != len(self.layers):
             raise ValueError(f"the cache has {cache.k.shape[0]} layers, the model {len(self.layers)}")
         for i, layer in enumerate(self.layers):
@@ -101,8 +98,6 @@ class CausalLM(nn.Module):
             attention.k_cache, attention.v_cache = cache.k[i], cache.v[i]
             attention.k_scales = cache.k_scales[i] if cache.k_scales is not None else None
             attention.v_scales = cache.v_scales[i] if cache.v_scales is not None else None
-            if cache.k.device.type == "cpu":
-                kernels.keep_gathered(attention.k_cache, attention.v_cache)
         self.bound_cache = cache
 
     def reset_buffers(self, device: torch.device | str) -> None:

@@ -31,7 +31,7 @@ write_kv / paged_attention then take the caches' scales too.
 
 from __future__ import annotations
 
-from kernels import kept_gather, ops, reference
+from kernels import ops, reference
 from kernels.dispatch import FORCE_ENV, entry_point, triton_enabled, triton_module
 from kernels.kv_quant import KV_CACHE_DTYPES, KVCacheFormat, KVFormat, kv_cache_format
 from kernels.lora import lora_add
@@ -43,7 +43,6 @@ __all__ = [
     "KVFormat",
     "apply_rope",
     "gelu_tanh_and_mul",
-    "keep_gathered",
     "kv_cache_format",
     "lora_add",
     "paged_attention",
@@ -64,5 +63,4 @@ apply_rope = entry_point(reference.apply_rope, ops.apply_rope)
 silu_and_mul = entry_point(reference.silu_and_mul, ops.silu_and_mul)
 gelu_tanh_and_mul = entry_point(reference.gelu_tanh_and_mul, ops.gelu_tanh_and_mul)
 write_kv = entry_point(reference.write_kv, ops.write_kv)
-keep_gathered = kept_gather.keep_gathered
 paged_attention = entry_point(reference.paged_attention, ops.paged_attention)

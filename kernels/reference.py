@@ -43,7 +43,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import kept_gather
 from kernels.kv_quant import KVFormat, dequantize_into, paged_formats, quantize, rotate
 
 
@@ -110,9 +109,6 @@ def write_kv(
     gets each vector's scales in k_scales / v_scales [Hkv, pages, page_size,
     groups], which it requires."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kept = kept_gather.lookup(k_cache, v_cache)
-    if kept is not None:
-        kept.wrote(slot_mapping, k_cache.shape[2])
     formats = paged_formats(k_cache, v_cache, k_scales, v_scales, head_dim)
     for new, cache, scales, fmt in zip((k, v), (k_cache, v_cache), (k_scales, v_scales), formats):
         if scales is None or not fmt.quantized:
@@ -155,7 +151,6 @@ def paged_attention(
     k_fmt, v_fmt = paged_formats(k_cache, v_cache, k_scales, v_scales, q.shape[-1])
     q = rotate(q, k_fmt)
     kv = _PagedKV(k_cache, v_cache, k_scales, v_scales, k_fmt, v_fmt)
-    kept = None if k_fmt.quantized or v_fmt.quantized else kept_gather.lookup(k_cache, v_cache)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
@@ -168,66 +163,19 @@ def paged_attention(
             continue
         s = starts[b]
         out[s : s + q_len] = _attend(
-            q[s : s + q_len].unsqueeze(0), *_gather_rows(kv, page_table[b : b + 1], ctx[b : b + 1], q.shape[-1]),
-            ctx[b : b + 1], scale, sliding_window, softcap, None if bidirectional is None else [bidirectional[b]],
+            q[s : s + q_len].unsqueeze(0), kv, page_table[b : b + 1], ctx[b : b + 1], scale, sliding_window,
+            softcap, None if bidirectional is None else [bidirectional[b]],
         ).squeeze(0)
-    groups = [(q_len, group) for q_len, rows in short_rows.items() for group in _length_groups(rows, ctx, page_size)]
-    if kept is not None and groups and bidirectional is None:
-        _attend_kept(q, out, kept, kv, page_table, cu_seqlens_q, ctx, groups, scale, sliding_window, softcap)
-        return rotate(out, v_fmt)
-    for q_len, group in groups:
-        index = torch.tensor(group, device=q.device)
-        token_idx = _token_index(cu_seqlens_q, index, q_len)
-        group_ctx = [ctx[b] for b in group]
-        out[token_idx] = _attend(
-            q[token_idx].view(len(group), q_len, *q.shape[1:]),
-            *_gather_rows(kv, page_table[index], group_ctx, q.shape[-1]), group_ctx,
-            scale, sliding_window, softcap, None if bidirectional is None else [bidirectional[b] for b in group],
-        ).reshape(-1, *q.shape[1:])
+    for q_len, rows in short_rows.items():
+        for group in _length_groups(rows, ctx, page_size):
+            index = torch.tensor(group, device=q.device)
+            starts = cu_seqlens_q[:-1].long()[index].unsqueeze(1)
+            token_idx = (starts + torch.arange(q_len, device=q.device)).reshape(-1)
+            out[token_idx] = _attend(
+                q[token_idx].view(len(group), q_len, *q.shape[1:]), kv, page_table[index], [ctx[b] for b in group],
+                scale, sliding_window, softcap, None if bidirectional is None else [bidirectional[b] for b in group],
+            ).reshape(-1, *q.shape[1:])
     return rotate(out, v_fmt)
-
-
-def _token_index(cu_seqlens_q: torch.Tensor, rows: torch.Tensor, q_len: int) -> torch.Tensor:
-    """The query tokens of `rows`, each q_len long, row by row."""
-    starts = cu_seqlens_q[:-1].long()[rows].unsqueeze(1)
-    return (starts + torch.arange(q_len, device=rows.device)).reshape(-1)
-
-
-#: With kept gathers, a group's page span is rounded up to a multiple of this, so that the
-#: positions of the rows' pages in the kept buffer move (and are copied again) only every
-#: KEPT_PAGE_ROUND pages of growth of its longest row, not every page.
-KEPT_PAGE_ROUND = 4
-
-
-def _attend_kept(
-    q: torch.Tensor, out: torch.Tensor, kept: kept_gather.KeptGather, kv: _PagedKV, page_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, ctx: list[int], groups: list[tuple[int, list[int]]], scale: float,
-    sliding_window: int | None, softcap: float | None,
-) -> None:
-    """The short-row groups of paged_attention on a registered full-precision cache, text only (no
-    bidirectional spans): one gather for all groups, laid out group after group,
-    through the kept buffers (kernels/kept_gather.py), then each group's attention on its slice."""
-    page_size = kv.k_cache.shape[2]
-    indexes, spans = [], []
-    for _, group in groups:
-        index = torch.tensor(group, device=q.device)
-        num_pages = -(-max(ctx[b] for b in group) // page_size)
-        num_pages = -(-num_pages // KEPT_PAGE_ROUND) * KEPT_PAGE_ROUND
-        table = page_table[index]
-        if table.shape[1] < num_pages:
-            table = F.pad(table, (0, num_pages - table.shape[1]))
-        indexes.append(index)
-        spans.append(table[:, :num_pages].reshape(-1))
-    keys, values = kept.gather(kv.k_cache, kv.v_cache, torch.cat(spans).long())
-    offset = 0
-    for (q_len, group), index, pages in zip(groups, indexes, spans):
-        token_idx = _token_index(cu_seqlens_q, index, q_len)
-        end = offset + pages.numel()
-        out[token_idx] = _attend(
-            q[token_idx].view(len(group), q_len, *q.shape[1:]), keys[:, offset:end], values[:, offset:end],
-            [ctx[b] for b in group], scale, sliding_window, softcap,
-        ).reshape(-1, *q.shape[1:])
-        offset = end
 
 
 def _length_groups(rows: list[int], ctx: list[int], page_size: int, min_fill: float = 0.7) -> list[list[int]]:
@@ -289,29 +237,24 @@ class _PagedKV(NamedTuple):
         return dequantize_into(values, data, torch.index_select(scales, 1, pages), fmt)
 
 
-def _gather_rows(kv: _PagedKV, page_table: torch.Tensor, context_lens: list[int], head_dim: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the rows' pages, [Hkv, rows * pages of the longest, page_size, head_dim] each."""
-    num_pages = -(-max(context_lens) // kv.k_cache.shape[2])
-    pages = page_table[:, :num_pages].reshape(-1).long()
-    return kv.gather(0, pages, head_dim), kv.gather(1, pages, head_dim)
-
-
 def _attend(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    kv: _PagedKV,
+    page_table: torch.Tensor,
     context_lens: list[int],
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
     bidirectional: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
-    """q [B, Lq, Hq, D] (the last Lq positions of each context) -> [B, Lq, Hq, D], over the rows'
-    gathered pages, keys/values [Hkv, B * pages per row, page_size, D]."""
+    """q [B, Lq, Hq, D] (the last Lq positions of each context) -> [B, Lq, Hq, D]."""
     batch, q_len, head_dim = q.shape[0], q.shape[1], q.shape[3]
-    num_kv_heads = keys.shape[0]
-    span = keys.shape[1] // batch * keys.shape[2]
+    num_kv_heads, page_size = kv.k_cache.shape[0], kv.k_cache.shape[2]
+    num_pages = -(-max(context_lens) // page_size)
+    pages = page_table[:, :num_pages].reshape(-1).long()
+    keys = kv.gather(0, pages, head_dim)
+    values = kv.gather(1, pages, head_dim)
+    span = num_pages * page_size
     keys = keys.view(num_kv_heads, batch, span, head_dim).permute(1, 0, 2, 3)
     values = values.view(num_kv_heads, batch, span, head_dim).permute(1, 0, 2, 3)
     key_pos = torch.arange(span, device=q.device).view(1, 1, span)
