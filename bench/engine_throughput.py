@@ -5,6 +5,9 @@ real checkpoint given with --model: an HF directory or a .gguf file, such as the
 SmolLM2-135M-Instruct Q4_1 file genq_dev/demo_model.py fetches; a GGUF is
 dequantized to fp32 at load by the engine and by transformers alike):
   engine     genq's Generator: all requests enqueued at once, then iterate() until done;
+  engine-int8  the same with cpu_int8 (engine/int8_dynamic.py: int8 projections, 8-bit
+             activations; labelled "genq engine (int8)"): not in the default systems,
+             its greedy agreement with the fp32 engine is recorded like the others';
   hf-padded  transformers generate() on left-padded static batches (several batch
              sizes, in request order and sorted by prompt length; the best is the headline);
   hf-cb      transformers continuous batching (the manager behind generate_batch),
@@ -95,7 +98,8 @@ from engine.gguf_file import GGUFFile, is_gguf
 from engine.progress import LoadProgress
 from genq_dev.tiny_model import PRESETS, count_parameters
 
-SYSTEMS = ("engine", "hf-padded", "hf-cb", "llama.cpp")
+SYSTEMS = ("engine", "engine-int8", "hf-padded", "hf-cb", "llama.cpp")
+DEFAULT_SYSTEMS = ("engine", "hf-padded", "hf-cb", "llama.cpp")
 MODELS = ("tiny", "small")
 FLOPS_FORMULA = (
     "useful_flops = sum over requests of [2*M*n + 2*L*H*D*n*(n+1)], n = prompt_tokens + max_new_tokens; "
@@ -138,7 +142,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a real model to run (HF directory or .gguf file; repeatable); without --models only these run, "
              "and the results go to engine_throughput_<name>.{json,png}",
     )
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated subset of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
     parser.add_argument(
         "--threads", type=int, default=available_cores(), help="torch threads for every system (default: all cores)"
     )
@@ -263,19 +268,19 @@ def _log_run(model: str, name: str, summary: dict[str, Any]) -> None:
 
 
 def bench_engine(
-    path: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace
+    path: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace, cpu_int8: bool = False
 ) -> tuple[Trace, dict[str, Any] | None]:
     """The engine with a cache that holds every request at full length, so no
     preemption, and a batch as wide as the workload; then its step profile."""
     cache_tokens = pages_needed(requests, args.page_size) * args.page_size
     gen = Generator.from_pretrained(
         path, cache_tokens=cache_tokens, page_size=args.page_size,
-        max_batch_size=len(requests), max_chunk_size=args.chunk_size, progress=LoadProgress(),
+        max_batch_size=len(requests), max_chunk_size=args.chunk_size, progress=LoadProgress(), cpu_int8=cpu_int8,
     )
     run_engine(gen, warmup)
     trace = run_engine(gen, requests)
     trace.details.update(
-        cache_tokens=cache_tokens, page_size=args.page_size,
+        cpu_int8=cpu_int8, cache_tokens=cache_tokens, page_size=args.page_size,
         max_batch_size=len(requests), max_chunk_size=args.chunk_size,
     )
     profile = None
@@ -409,13 +414,15 @@ def bench_model(preset: str, path: Path, spec: WorkloadSpec, args: argparse.Name
         return summarize(trace, requests, flops)
 
     traces: dict[str, Trace] = {}
-    if "engine" in args.systems:
-        progress(f"{preset} engine: start")
-        traces["engine"], profile = bench_engine(path, requests, warmup, args)
-        result["systems"]["engine"] = score(traces["engine"])
-        _log_run(preset, "engine", result["systems"]["engine"])
+    for engine, cpu_int8 in (("engine", False), ("engine-int8", True)):
+        if engine not in args.systems:
+            continue
+        progress(f"{preset} {engine}: start")
+        traces[engine], profile = bench_engine(path, requests, warmup, args, cpu_int8)
+        result["systems"][engine] = score(traces[engine])
+        _log_run(preset, engine, result["systems"][engine])
         if profile is not None:
-            result["engine_profile"] = profile
+            result[f"{engine.replace('-', '_')}_profile"] = profile
         gc.collect()
     if {"hf-padded", "hf-cb"} & set(args.systems):
         progress(f"{preset}: loading the transformers model")

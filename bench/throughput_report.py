@@ -13,19 +13,22 @@ from bench_common import measured_when, percentile_bars, percentiles_cell, save_
 
 SYSTEM_LABELS = {
     "engine": "genq engine",
+    "engine-int8": "genq engine (int8)",
     "hf-padded": "transformers padded best",
     "hf-cb": "transformers continuous batching",
     "llama.cpp": "llama.cpp server",
 }
-_COLORS = {"engine": "tab:blue", "hf-padded": "tab:orange", "hf-cb": "tab:green", "llama.cpp": "tab:red"}
+_COLORS = {"engine": "tab:blue", "engine-int8": "tab:purple", "hf-padded": "tab:orange", "hf-cb": "tab:green",
+           "llama.cpp": "tab:red"}
 
 
 def headline_runs(model_result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """One summary per system: the engine, the best padded configuration, CB (if it ran)."""
     systems = model_result["systems"]
     runs: dict[str, dict[str, Any]] = {}
-    if "engine" in systems:
-        runs["engine"] = systems["engine"]
+    for engine in ("engine", "engine-int8"):
+        if engine in systems:
+            runs[engine] = systems[engine]
     padded = systems.get("hf-padded")
     if padded and padded.get("best"):
         runs["hf-padded"] = padded["runs"][padded["best"]]

@@ -81,13 +81,16 @@ class ConstraintBudget:
 class EngineConfig:
     """overlap: run each step's forward and sampling on a worker thread while the previous
     step's text is produced. cuda_graphs: replay decode steps from CUDA graphs (None: on for
-    a CUDA device whose model a graph can replay). seed: the seed source of unseeded jobs."""
+    a CUDA device whose model a graph can replay). seed: the seed source of unseeded jobs.
+    cpu_int8: run the projections as int8 dynamic-quantized matmuls on CPU (engine/int8_dynamic.py):
+    faster, but greedy outputs no longer match transformers' fp32, so off by default."""
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     constraints: ConstraintBudget = field(default_factory=ConstraintBudget)
     quantize: Quantization | None = None
+    cpu_int8: bool = False
     seed: int | None = None
     overlap: bool = False
     cuda_graphs: bool | None = None

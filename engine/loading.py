@@ -13,6 +13,7 @@ import torch
 from engine import device_info as devices
 from engine.cache import KVCache
 from engine.engine_config import DEFAULT_CPU_CACHE_BYTES, DEFAULT_MAX_BATCH_SIZE, EngineConfig
+from engine.int8_dynamic import check_cpu_int8, int8_dynamic_linears
 from engine.memory_plan import cuda_cache_bytes
 from engine.model import CausalLM
 from engine.tokenizer import Tokenizer
@@ -45,12 +46,19 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
     max_seq_len tokens would use. cache_dtype stores K/V as the model's dtype ("auto") or
     quantized (kernels.KV_CACHE_DTYPES), for both caches; the same memory then holds
     proportionally more tokens. config.quantize keeps the main model's linear layers
-    weight-only quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it). A
+    weight-only quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it);
+    config.cpu_int8 then runs them as int8 dynamic-quantized matmuls (CPU and fp32 only:
+    engine/int8_dynamic.py). A
     vision-language directory's tower and image processor load too, in the model's dtype
     (engine/vision/images.py); without preprocessor_config.json it runs text only. mmproj names a
     llama.cpp mmproj GGUF whose tower and processor go with the text model (engine/vision/mmproj.py)."""
+    if config.cpu_int8:
+        check_cpu_int8(device)
     tokenizer = Tokenizer.from_pretrained(path)
     model = load_model(path, device, dtype, progress, config.quantize)
+    if config.cpu_int8:
+        check_cpu_int8(device, model.embed_tokens.weight.dtype)
+        log.info("cpu_int8: %d projections run as int8 dynamic matmuls", len(int8_dynamic_linears(model)))
     cache_config = config.cache
     page_size = cache_config.page_size
     model_dtype = model.embed_tokens.weight.dtype

@@ -73,6 +73,11 @@ class Settings(ClientSettings):
         default=None,
         description="weight-only quantization of the linear layers at load; a GGUF Q4_0/Q4_1/Q4_K/Q8_0 file "
                     "maps onto it without dequantizing first")
+    cpu_int8: bool = Field(
+        default=False,
+        description="CPU only: run the attention and MLP projections as int8 dynamic-quantized matmuls (int8 "
+                    "weights per output channel, 8-bit activations per call, fbgemm), as llama.cpp's 8-bit "
+                    "activations do: faster, but greedy outputs no longer match transformers' fp32 token for token")
     page_size: int | None = Field(default=None, ge=1,
                                   description="KV cache page size in tokens (default: the engine's)")
     max_batch_size: int | None = Field(default=None, ge=1, description="jobs in the generator's batch at once")
@@ -160,6 +165,8 @@ class Settings(ClientSettings):
         if self.tenant_lanes and self.lane_reserve >= self.concurrency:
             raise ValueError(f"GENQ_LANE_RESERVE: {self.lane_reserve} reserved task slots leave none of "
                              f"GENQ_CONCURRENCY={self.concurrency} to take tasks with; keep it below")
+        if self.cpu_int8 and self.device != "cpu":
+            raise ValueError(f"GENQ_CPU_INT8: fbgemm's int8 projections run on CPU only, not GENQ_DEVICE={self.device}")
         if self.ngram_draft and self.draft_model:
             raise ValueError("GENQ_NGRAM_DRAFT and GENQ_DRAFT_MODEL: choose one way to draft")
         if self.synthetic_rate is not None:
