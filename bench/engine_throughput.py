@@ -47,8 +47,8 @@ Correctness: the engine's greedy tokens are compared with every transformers run
 (exact-match counts; fp32 left padding can flip near-tied argmaxes, so this is
 reported, not asserted). The engine is also profiled (see engine_profile.py).
 
-Writes <out>/engine_throughput.json and .png (engine_throughput_quick.* with --quick)
-and prints a markdown table; progress goes to stderr.
+Writes <out>/engine_throughput.json and .png (engine_throughput_quick.* with --quick; an
+_int8 suffix with the engine-int8 system) and prints a markdown table; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -495,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         name += "_" + "_".join(slugs)
     if args.requests is not None:
         name += f"_{args.requests}req"
+    if "engine-int8" in args.systems:
+        name += "_int8"  # beside, not over, the fp32 results docs/benchmarks.md quotes
     write_results(results, args.out, name, args.quick, plot, markdown_table)
     return 0
 
