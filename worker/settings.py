@@ -75,8 +75,8 @@ class Settings(ClientSettings):
                     "maps onto it without dequantizing first")
     cpu_int8: bool = Field(
         default=False,
-        description="CPU only: run the attention and MLP projections as int8 dynamic-quantized matmuls (int8 "
-                    "weights per output channel, 8-bit activations per call, fbgemm), as llama.cpp's 8-bit "
+        description="CPU only: run the attention and MLP projections as int8 matmuls (int8 weights per output "
+                    "channel, activations quantized to int8 per token on each call), as llama.cpp's 8-bit "
                     "activations do: faster, but greedy outputs no longer match transformers' fp32 token for token")
     page_size: int | None = Field(default=None, ge=1,
                                   description="KV cache page size in tokens (default: the engine's)")
@@ -166,7 +166,7 @@ class Settings(ClientSettings):
             raise ValueError(f"GENQ_LANE_RESERVE: {self.lane_reserve} reserved task slots leave none of "
                              f"GENQ_CONCURRENCY={self.concurrency} to take tasks with; keep it below")
         if self.cpu_int8 and self.device != "cpu":
-            raise ValueError(f"GENQ_CPU_INT8: fbgemm's int8 projections run on CPU only, not GENQ_DEVICE={self.device}")
+            raise ValueError(f"GENQ_CPU_INT8: the int8 projections run on CPU only, not GENQ_DEVICE={self.device}")
         if self.ngram_draft and self.draft_model:
             raise ValueError("GENQ_NGRAM_DRAFT and GENQ_DRAFT_MODEL: choose one way to draft")
         if self.synthetic_rate is not None:
