@@ -160,6 +160,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def run(model: str | None, max_new_tokens: int, flower_port: int | None) -> int:
     """Bring everything up, stream the demo, serve until Ctrl-C (or SIGTERM)."""
+    # SIGINT too: a shell starts a background job with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler of its own, so Ctrl-C (or a test's SIGINT) would be lost.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     with tempfile.TemporaryDirectory(prefix="genq-dev-") as workdir:
         services = Services(Path(workdir))
