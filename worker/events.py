@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,7 +120,7 @@ class RequestEvents:
     prompt_sent: bool = False
     outputs: dict[int, EngineOutput] = field(default_factory=dict)
     coalescing: Coalescing = field(default_factory=Coalescing)
-    _pending: dict[int, PendingChunk] = field(default_factory=dict, init=False)
+    _pending: defaultdict[int, PendingChunk] = field(default_factory=lambda: defaultdict(PendingChunk), init=False)
     _last_sent: dict[int, float] = field(default_factory=dict, init=False)
     next_due: float = field(default=math.inf, init=False)
     """When the earliest pending chunk's interval passes (time.monotonic()); inf when none waits."""
@@ -130,14 +131,15 @@ class RequestEvents:
         return event
 
     def chunk(self, text: str, token_ids: list[int] | None, logprobs: list[TokenLogprob] | None,
-              index: int | None, prompt: PromptScores | None = None) -> StreamEvent:
-        """The per-token event, built without validation: every field comes from this
-        worker (a checked identifier, its own counters, the engine's text and ids), and
-        validating it cost more than the rest of the event's path. `prompt`: the prompt's
-        token ids and log-probabilities, on the one chunk that carries them."""
+              index: int, prompt: PromptScores | None = None) -> StreamEvent:
+        """Sample `index`'s per-token event (the index shown only when the request has several),
+        built without validation: every field comes from this worker (a checked identifier, its own
+        counters, the engine's text and ids), and validating it cost more than the rest of the event's
+        path. `prompt`: the prompt's token ids and log-probabilities, on the one chunk that carries them."""
         prompt_ids, prompt_logprobs = prompt if prompt is not None else (None, None)
         event = StreamEvent.model_construct(id=self.identifier, seq=self.seq, attempt=self.attempt, event="chunk",
-                                            text=text, token_ids=token_ids, logprobs=logprobs, index=index,
+                                            text=text, token_ids=token_ids, logprobs=logprobs,
+                                            index=index if self.request.n > 1 else None,
                                             prompt_token_ids=prompt_ids, prompt_logprobs=prompt_logprobs)
         self.seq += 1
         return event
@@ -166,15 +168,12 @@ class RequestEvents:
             prompt = (list(output.job.input_ids), self.wire_prompt_logprobs(output.prompt_logprobs))
         piece = bool(output.text or token_ids or logprobs or prompt)
         if not self.coalescing.enabled:
-            return [self.chunk(output.text, token_ids, logprobs, index if self.request.n > 1 else None, prompt)
-                    ] if piece else []
+            return [self.chunk(output.text, token_ids, logprobs, index, prompt)] if piece else []
         if not (piece or output.token_ids):
             return []
         # A step whose text is held back (a stop string's possible start, half a character) still
         # counts its tokens towards coalesce_tokens.
-        pending = self._pending.get(index)
-        if pending is None:
-            pending = self._pending[index] = PendingChunk()
+        pending = self._pending[index]
         pending.add(output.text, token_ids, logprobs, len(output.token_ids), prompt)
         if pending.empty:
             return []
@@ -217,8 +216,7 @@ class RequestEvents:
         if self.coalescing.interval_s > 0:
             self.next_due = min((self._last_sent[i] + self.coalescing.interval_s
                                  for i, waiting in self._pending.items() if not waiting.empty), default=math.inf)
-        return self.chunk(pending.text, pending.token_ids, pending.logprobs, index if self.request.n > 1 else None,
-                          pending.prompt)
+        return self.chunk(pending.text, pending.token_ids, pending.logprobs, index, pending.prompt)
 
     def record(self, index: int, output: EngineOutput) -> bool:
         """Keep a sample's final output; True once every sample has ended."""

@@ -53,6 +53,9 @@ LOOP_THREAD_NAME = "genq-loop"
 PUBLISHER_THREAD_NAME = "genq-publisher"
 #: How long a cancel for a request this worker has not seen (yet) is remembered.
 EARLY_CANCEL_MEMORY_S = 600.0
+#: The engine's figures (GeneratorStats) that stats() reports as they are, under their own names.
+ENGINE_STATS = ("active_jobs", "pages_total", "pages_used", "pages_free", "pages_cached", "page_size",
+                "generated_tokens", "preemptions", "drafted_tokens", "accepted_draft_tokens")
 
 
 class ShuttingDown(RuntimeError):
@@ -62,7 +65,9 @@ class ShuttingDown(RuntimeError):
 @dataclass
 class Submission:
     """A validated request on its way through the engine. The task thread
-    waits on `done`; then exactly one of result / error / requeue / duplicate is set.
+    waits on `done`; then exactly one of result / error / requeue / duplicate is set (a request
+    that concluded in a step has its `outcome` first, from which the finishing thread builds its
+    result).
 
     `jobs` holds one engine job, or the request's n samples (Job.samples: identifiers
     (identifier, i)), enqueued together so that they share the prompt's pages; the request
@@ -73,7 +78,7 @@ class Submission:
     jobs: list[Job]
     request: GenerationRequest
     deadline: float | None
-    task_id: str = ""
+    task_id: str
     cancel_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: StoredResult | None = None
@@ -81,6 +86,7 @@ class Submission:
     requeue: bool = False
     duplicate: bool = False
     expired: bool = False
+    outcome: Outcome | None = None
     stream: RequestEvents = field(init=False, repr=False)
 
     def attach(self, token_text: Callable[[int], str], coalescing: Coalescing) -> None:
@@ -96,15 +102,6 @@ class AdapterChange:
 
     name: str
     path: str | None = None
-
-
-@dataclass(frozen=True)
-class Concluded:
-    """A request that ended in a step; the finishing thread builds its final event and result
-    (worker/events.py: conclude, finish)."""
-
-    submission: Submission
-    outcome: Outcome
 
 
 @dataclass
@@ -212,21 +209,12 @@ class EngineLoop:
         """Engine + loop figures for `celery inspect stats` / Flower."""
         engine = self.generator.stats
         return {
-            "active_jobs": engine.active_jobs,
+            **{name: getattr(engine, name) for name in ENGINE_STATS},
             "pending_jobs": engine.pending_jobs + len(self._inbox) + len(self._waiting_for_adapter),
-            "pages_total": engine.pages_total,
-            "pages_used": engine.pages_used,
-            "pages_free": engine.pages_free,
-            "pages_cached": engine.pages_cached,
-            "page_size": engine.page_size,
-            "generated_tokens": engine.generated_tokens,
             "generated_tokens_per_s": round(self._tokens_per_second(), 2),
             "prompt_tokens_computed": engine.computed_prompt_tokens,
             "prompt_tokens_cached": engine.cached_prompt_tokens,
             "prefix_hit_rate": round(engine.prefix_hit_rate, 4),
-            "preemptions": engine.preemptions,
-            "drafted_tokens": engine.drafted_tokens,
-            "accepted_draft_tokens": engine.accepted_draft_tokens,
             "draft_acceptance_rate": round(engine.accepted_draft_tokens / engine.drafted_tokens, 4)
             if engine.drafted_tokens else 0.0,
             "lora_adapters": len(self.generator.adapters),
@@ -284,7 +272,6 @@ class EngineLoop:
 
     def _step(self, inbox: list[Submission], cancels: set[str], requeue_all: bool) -> None:
         events: list[StreamEvent] = []
-        concluded: list[Concluded] = []
         finished: list[Submission] = []
         self._remember_early_cancels(cancels)
         for submission in inbox:
@@ -318,7 +305,7 @@ class EngineLoop:
             if owner is None:
                 continue
             generated += len(result.token_ids)
-            if self._on_output(owner, index, result, events, concluded, stepped):
+            if self._on_output(owner, index, result, events, stepped):
                 del self._active[identifier]
                 finished.append(owner)
         for submission in self._active.values():
@@ -328,21 +315,20 @@ class EngineLoop:
             self._recent_tokens.append((time.monotonic(), generated))
             while self._recent_tokens and time.monotonic() - self._recent_tokens[0][0] > TOKENS_PER_SECOND_WINDOW_S:
                 self._recent_tokens.popleft()
-        self._publish(events, finished, concluded)
+        self._publish(events, finished)
 
-    def _publish(self, events: list[StreamEvent], finished: list[Submission], concluded: list[Concluded]) -> None:
+    def _publish(self, events: list[StreamEvent], finished: list[Submission]) -> None:
         """The step's events go out first (with the results of requests that ended without
-        reaching the engine); their tasks wake then. The concluded requests are handed to the
-        finishing thread after that, so each final event follows its request's chunks, and
-        their tasks wake once it is out: a result never precedes its stream."""
-        later = {id(c.submission) for c in concluded}
-        now = [s for s in finished if id(s) not in later]
+        reaching the engine); their tasks wake then. The concluded requests (an `outcome`) are
+        handed to the finishing thread after that, so each final event follows its request's
+        chunks, and their tasks wake once it is out: a result never precedes its stream."""
+        now = [s for s in finished if s.outcome is None]
+        concluded = [s for s in finished if s.outcome is not None]
 
         def published() -> None:
             _wake(now)
             if concluded:
-                self.finishing.submit(partial(_endings, concluded),
-                                      then=partial(_wake, [c.submission for c in concluded]))
+                self.finishing.submit(partial(_endings, concluded), then=partial(_wake, concluded))
 
         self.publishing.submit(partial(_with_results, events, now), then=published)
 
@@ -380,11 +366,11 @@ class EngineLoop:
             except AdaptersBusy:
                 self.counters.adapter_slot_waits += 1
                 self._waiting_for_adapter.append(submission)
-                return
             except (JobRejected, QueueFull) as error:
-                self._reject(submission, str(error), events, finished)
-                return
-            self._active[submission.identifier] = submission
+                self._fail(submission, str(error), events)
+                finished.append(submission)
+            else:
+                self._active[submission.identifier] = submission
 
     def _change_adapter(self, change: AdapterChange) -> None:
         """Apply a load or unload between steps; a refused one is logged naming the adapter and why
@@ -393,31 +379,31 @@ class EngineLoop:
         try:
             if change.path is None:
                 adapters.unregister(change.name)
+                log.info("unloaded LoRA adapter %r: requests naming it are refused, those admitted finish", change.name)
             else:
                 adapters.register(change.name, change.path)
+                log.info("loaded LoRA adapter %r from %s", change.name, change.path)
         except (AdapterLoadError, KeyError) as error:
             log.error("LoRA adapter %r not %s: %s", change.name, "unloaded" if change.path is None else "loaded",
                       error.args[0] if error.args else error)
             return
-        if change.path is None:
-            log.info("unloaded LoRA adapter %r: requests naming it are refused, those admitted finish", change.name)
-        else:
-            log.info("loaded LoRA adapter %r from %s", change.name, change.path)
         if self.on_adapters is not None:
             self.on_adapters(adapters.names())
 
-    def _reject(self, submission: Submission, message: str, events: list[StreamEvent], finished: list[Submission]
-                ) -> None:
+    def _fail(self, submission: Submission, message: str, events: list[StreamEvent]) -> None:
+        """End the request with an error event after its pending text; its jobs stop (cancelling
+        one the engine never took does nothing)."""
+        for job in submission.jobs:
+            self.generator.cancel(job)
         self.counters.failed += 1
         submission.error = message
         events.extend(submission.stream.flush())
         events.append(submission.stream.error(message))
-        finished.append(submission)
 
     def _on_output(self, submission: Submission, index: int, output: EngineOutput, events: list[StreamEvent],
-                   concluded: list[Concluded], now: float) -> bool:
+                   now: float) -> bool:
         """One sample's engine output -> stream events; True when the request has ended (its
-        final event is made, or, when it concluded, its final event and result are to be made).
+        final event is made, or, when it concluded, its `outcome` is set for the finishing thread).
         A sample that ended sends its pending chunk first, so every final event follows its text."""
         stream = submission.stream
         events.extend(stream.progress(index, output, now))
@@ -426,23 +412,17 @@ class EngineLoop:
         events.extend(stream.flush(index))
         if output.eos_reason is FinishReason.ERROR and not submission.requeue:
             # This sample alone failed in the step (the batch carries on); its siblings stop too.
-            for job in submission.jobs:
-                self.generator.cancel(job)
-            self.counters.failed += 1
-            submission.error = output.error or "engine error"
-            events.extend(stream.flush())
-            events.append(stream.error(submission.error))
+            self._fail(submission, output.error or "engine error", events)
             return True
         if not stream.record(index, output):
             return False
         if submission.requeue:
             self.counters.requeued += 1
             return True
-        outcome = stream.conclude(submission.expired)
+        outcome = submission.outcome = stream.conclude(submission.expired)
         self._count_ending(outcome.finish_reason)
         if self.on_finished is not None:
             self.on_finished(outcome.timings, outcome.usage)
-        concluded.append(Concluded(submission, outcome))
         return True
 
     def _count_ending(self, finish_reason: WireFinishReason) -> None:
@@ -468,9 +448,7 @@ class EngineLoop:
         failed = list(self._active.values())
         self._active.clear()
         for submission in failed:
-            for job in submission.jobs:
-                self.generator.cancel(job)
-            self._reject(submission, message, events, [])
+            self._fail(submission, message, events)
         self.publishing.submit(partial(_with_results, events, []), then=partial(_wake, failed))
 
 
@@ -478,7 +456,7 @@ def _with_results(events: list[StreamEvent], finished: list[Submission]
                   ) -> tuple[list[StreamEvent], dict[str, str], dict[str, str | None]]:
     """A step's events, the results (task id -> JSON) of the finished tasks that have one, and
     the finished requests' tenants (their usage is counted as the events go out)."""
-    return (events, {s.task_id: json.dumps(s.result.to_dict()) for s in finished if s.result is not None and s.task_id},
+    return (events, {s.task_id: json.dumps(s.result.to_dict()) for s in finished if s.result is not None},
             _tenants(finished))
 
 
@@ -486,18 +464,18 @@ def _tenants(submissions: list[Submission]) -> dict[str, str | None]:
     return {s.identifier: s.request.tenant for s in submissions}
 
 
-def _endings(concluded: list[Concluded]) -> tuple[list[StreamEvent], dict[str, str], dict[str, str | None]]:
+def _endings(concluded: list[Submission]) -> tuple[list[StreamEvent], dict[str, str], dict[str, str | None]]:
     """On the finishing thread: the concluded requests' final events, and their results (task
     id -> JSON), each built and encoded in one paced turn."""
     events, finals = [], {}
-    for c in concluded:
+    for submission in concluded:
+        assert submission.outcome is not None, "_publish hands over only concluded requests"
         with PACER.turn() as pace:
-            ending = c.submission.stream.finish(c.outcome, pace)
-            c.submission.result = ending.result
-            if c.submission.task_id:
-                finals[c.submission.task_id] = dumps_paced(ending.result.to_dict(), pace)
+            ending = submission.stream.finish(submission.outcome, pace)
+            submission.result = ending.result
+            finals[submission.task_id] = dumps_paced(ending.result.to_dict(), pace)
         events.append(ending.event)
-    return events, finals, _tenants([c.submission for c in concluded])
+    return events, finals, _tenants(concluded)
 
 
 def _wake(submissions: list[Submission]) -> None:

@@ -90,9 +90,7 @@ def _run(self: Task, runtime: runtime_module.Runtime, decision: delivery.Run, pa
         message = f"the worker could not build the job: {type(error).__name__}: {error}"
         publish_error(runtime.publisher, identifier, message, attempt)
         raise GenerationFailed(message) from None
-    deadline = request.deadline
-    if request.timeout_s is not None:
-        deadline = time.time() + request.timeout_s
+    deadline = request.deadline if request.timeout_s is None else time.time() + request.timeout_s
     jobs = job.samples(request.n) if request.n > 1 else [job]
     submission = Submission(identifier, attempt, jobs, request, deadline, self.request.id, cancel_requested)
     try:
