@@ -92,13 +92,6 @@ def with_redis_retries(call: Callable[[], T], what: str) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _decoded(reply: bytes | str) -> str:
-    """A string reply of the worker's client, which does not decode responses (redis-py types
-    replies for either setting of decode_responses)."""
-    assert isinstance(reply, bytes), "the worker's Redis client does not decode responses"
-    return reply.decode()
-
-
 def finished(backend: Backend, task_id: str) -> bool:
     """Whether the task's result (a SUCCESS, a FAILURE, ...) is stored."""
     meta = with_redis_retries(lambda: backend.get_task_meta(task_id, cache=False), "result lookup")
@@ -125,7 +118,7 @@ class Redeliveries:
         if outcome == b"final":
             return Claim(final=json.loads(values[0]))
         if outcome == b"held":
-            return Claim(holder=_decoded(values[0]))
+            return Claim(holder=values[0].decode())
         if outcome == b"active":
             return Claim(active=True)
         return Claim(attempt=int(values[0]), cancel_requested=bool(values[1]))
