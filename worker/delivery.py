@@ -49,8 +49,6 @@ class Defer:
     """Another worker holds this very task's lease: re-send a copy that checks again once the lease could
     have lapsed, and drop this one."""
 
-    identifier: str
-
 
 @dataclass(frozen=True)
 class Answer:
@@ -103,7 +101,7 @@ def decide(task: Task, kwargs: dict[str, Any]) -> Decision:
     if claim.holder == task_id:
         log.warning("task %s delivered again while another worker runs it; checking again in %d s", task_id,
                     LEASE_S)
-        return Defer(identifier)
+        return Defer()
     if claim.holder is not None or claim.active:
         return Answer(error=f"identifier: {identifier!r} is already generating")
     return Run(identifier, claim.attempt, claim.cancel_requested)
