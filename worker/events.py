@@ -228,19 +228,9 @@ class RequestEvents:
 
     def cancelled(self, prompt_tokens: int) -> Ending:
         """A request cancelled before it reached the engine: empty text, every sample cancelled."""
-        many = self.request.n > 1
         choices = [Choice(index=i, text="", finish_reason="cancelled") for i in range(self.request.n)]
-        result = GenerationResult(
-            id=self.identifier,
-            attempt=self.attempt,
-            text="",
-            finish_reason="cancelled",
-            usage=Usage(prompt_tokens=prompt_tokens),
-            timings=Timings(),
-            metadata=self.request.metadata,
-            choices=choices if many else None,
-        )
-        return Ending(self.event("cancelled", finish_reason="cancelled"), StoredResult(result.to_dict()))
+        result = self._result(choices, "cancelled", Usage(prompt_tokens=prompt_tokens), Timings())
+        return Ending(self.event("cancelled", finish_reason="cancelled"), StoredResult(result))
 
     def conclude(self, expired: bool) -> Outcome:
         """How the request ended once every sample has (record() said so); takes the final
@@ -296,20 +286,7 @@ class RequestEvents:
             choices=[c if include_ids else c.model_copy(update={"token_ids": None}) for c in choices]
             if many else None,
         )
-        result = GenerationResult(
-            id=self.identifier,
-            attempt=self.attempt,
-            text=choices[0].text,
-            token_ids=choices[0].token_ids or [],
-            finish_reason=finish_reason,
-            usage=outcome.usage,
-            timings=outcome.timings,
-            metadata=self.request.metadata,
-            choices=choices if many else None,
-            content=choices[0].content,
-            tool_calls=choices[0].tool_calls,
-            reasoning_content=choices[0].reasoning_content,
-        ).to_dict()
+        result = self._result(choices, finish_reason, outcome.usage, outcome.timings)
         logprobs = [self.logprob_dicts(output.completion_logprobs, pace) if output.completion_logprobs is not None
                     else None for output in outputs]
         result["logprobs"] = logprobs[0]
@@ -320,6 +297,25 @@ class RequestEvents:
             result["prompt_token_ids"] = list(outputs[0].job.input_ids)
             result["prompt_logprobs"] = [None if lp is None else self.logprob_dict(lp, pace) for lp in scored]
         return Ending(event, StoredResult(result))
+
+    def _result(self, choices: list[Choice], finish_reason: WireFinishReason, usage: Usage, timings: Timings
+                ) -> dict[str, Any]:
+        """The result's JSON object: choice 0's text and parts at the top, every choice when n > 1."""
+        first = choices[0]
+        return GenerationResult(
+            id=self.identifier,
+            attempt=self.attempt,
+            text=first.text,
+            token_ids=first.token_ids or [],
+            finish_reason=finish_reason,
+            usage=usage,
+            timings=timings,
+            metadata=self.request.metadata,
+            choices=choices if self.request.n > 1 else None,
+            content=first.content,
+            tool_calls=first.tool_calls,
+            reasoning_content=first.reasoning_content,
+        ).to_dict()
 
     def wire_logprobs(self, logprobs: list[EngineTokenLogprob]) -> list[TokenLogprob]:
         """The engine's logprobs with each token's text, built without re-validation (as chunk())."""
