@@ -6,6 +6,7 @@ become the job's constraint."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from functools import lru_cache
@@ -74,29 +75,18 @@ def build_job(request: GenerationRequest, tokenizer: Tokenizer, identifier: str,
     stops: list[int | str] = [*request.stop, *request.stop_token_ids]
     if not request.ignore_eos:
         stops += tokenizer.eos_token_ids
-    settings = sampler_settings(request.sampling, tokenizer, vocab_size)
     return Job(
         input_ids,
-        request.max_new_tokens,
-        min_new_tokens=request.min_new_tokens,
         stop_conditions=stops,
-        gen_settings=settings,
+        gen_settings=sampler_settings(request.sampling, tokenizer, vocab_size),
         identifier=identifier,
         seed=request.sampling.seed,
-        decode_special_tokens=request.decode_special_tokens,
         constraint=(tool_constraint(request, tokenizer) if request.constraint is None
                     else engine_constraint(request.constraint)),
-        logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs,
-        prompt_logprobs=request.prompt_logprobs,
         # The queue's priority orders admission in the engine too (0 = most urgent; none = 0, as on the broker).
         priority=request.priority or 0,
-        max_skips=request.max_skips,
-        banned_strings=request.banned_strings,
-        token_healing=request.token_healing,
         embeddings=images,
-        adapter=request.adapter,
-        tenant=request.tenant,
+        **{name: getattr(request, name) for name in JOB_SAME_NAMED},
     )
 
 
@@ -191,3 +181,9 @@ DERIVED: dict[str, Callable[[SamplingParams, Tokenizer, int], tuple[int, ...]]] 
 SAME_NAMED = tuple(f.name for f in fields(SamplerSettings)
                    if f.name in SamplingParams.model_fields and f.name not in DERIVED)
 """Engine sampling fields the wire sends under the same name and meaning."""
+JOB_DERIVED = frozenset({"input_ids", "identifier", "constraint", "priority"})
+"""Job arguments the wire has under the same name that build_job computes (tokens, the delivery's
+identifier, the compiled constraint, the priority's default)."""
+JOB_SAME_NAMED = tuple(name for name in inspect.signature(Job).parameters
+                       if name in GenerationRequest.model_fields and name not in JOB_DERIVED)
+"""Job arguments the wire sends under the same name and meaning (max_new_tokens, logprobs, adapter, ...)."""
