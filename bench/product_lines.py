@@ -3,8 +3,10 @@
 The reshape landed in commit 500194c together with issues 23-27's features (recovered from a failed
 stop), so no single diff shows it. This prints what can be separated (docs/architecture.md, "How the
 reshape is measured"): the product lines at each revision; the lines that commits after 500194c
-added and removed in those folders, by the issues their messages name; and the size of the files
-the issue names, before the reshape and now, each beside what replaced it.
+added and removed in those folders, by the issues their messages name; the size of the files
+the issue names, before the reshape and now, each beside what replaced it; and, by git blame, which
+of today's code lines in those files later features wrote, so that the concerns can be compared
+with the features that landed in them since taken out.
 
 Run from the repository root: `python bench/product_lines.py` (it reads the history only).
 """
@@ -53,21 +55,42 @@ def lines_at(revision: str, paths: Sequence[str]) -> int:
     return sum(git("show", f"{revision}:{path}").count("\n") for path in present)
 
 
-def code_lines_at(revision: str, paths: Sequence[str]) -> int:
-    """Lines of these files at `revision` that are neither blank, nor imports, nor docstrings: what a
+def code_line_numbers(text: str) -> set[int]:
+    """The 1-based numbers of the lines that are neither blank, nor imports, nor docstrings: what a
     split into smaller files does not add by itself (each new file brings its imports and docstring)."""
+    overhead = {number for number, line in enumerate(text.splitlines(), 1) if not line.strip()}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import | ast.ImportFrom) or (
+                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            overhead.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return set(range(1, text.count("\n") + 1)) - overhead
+
+
+def code_lines_at(revision: str, paths: Sequence[str]) -> int:
+    """Code lines (code_line_numbers) of these files at `revision`; a missing file counts 0."""
     present = set(git("ls-tree", "-r", "--name-only", revision, "--", *paths).split()) if paths else set()
-    total = 0
+    return sum(len(code_line_numbers(git("show", f"{revision}:{path}"))) for path in present)
+
+
+def code_lines_by_origin(head: str, paths: Sequence[str]) -> dict[str, int]:
+    """The code lines of these files at `head`, by the commit that last wrote each (git blame):
+    before RECOVERY, RECOVERY itself, later commits naming issue 22, and later commits that do not."""
+    present = set(git("ls-tree", "-r", "--name-only", head, "--", *paths).split()) if paths else set()
+    recovery = git("rev-parse", RECOVERY).strip()
+    later = set(git("rev-list", f"{RECOVERY}..{head}").split())
+    origins: dict[str, int] = {"before": 0, "recovery": 0, "issue 22": 0, "features": 0}
     for path in present:
-        text = git("show", f"{revision}:{path}")
-        overhead = sum(1 for line in text.splitlines() if not line.strip())
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Import | ast.ImportFrom) or (
-                    isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                    and isinstance(node.value.value, str)):
-                overhead += (node.end_lineno or node.lineno) - node.lineno + 1
-        total += text.count("\n") - overhead
-    return total
+        code = code_line_numbers(git("show", f"{head}:{path}"))
+        for line in git("blame", "--porcelain", head, "--", path).splitlines():
+            fields = line.split()
+            if len(fields) >= 3 and len(fields[0]) == 40 and fields[2].isdigit() and int(fields[2]) in code:
+                commit = fields[0]
+                origin = ("recovery" if commit == recovery else "before" if commit not in later
+                          else "issue 22" if 22 in issues_named(git("log", "-1", "--format=%B", commit))
+                          else "features")
+                origins[origin] += 1
+    return origins
 
 
 def product_files(revision: str) -> list[str]:
@@ -126,6 +149,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, (old, new) in GROUPS.items():
         print(f"| {name} | {len(old)} → {len(new)} | {lines_at(before, old):,} → {lines_at(head, new):,} | "
               f"{code_lines_at(before, old):,} → {code_lines_at(head, new):,} | {net(later, new):+,} |")
+    print(f"\n| concern | code lines at {before} | code lines at {head}, last written: before {RECOVERY} "
+          f"| in {RECOVERY} | by issue 22 after | by features after | {head} less features after |"
+          "\n|---|---:|---:|---:|---:|---:|---:|")
+    totals = dict.fromkeys(("old", "before", "recovery", "issue 22", "features", "kept"), 0)
+    for name, (old, new) in GROUPS.items():
+        origins = code_lines_by_origin(head, new)
+        row = {"old": code_lines_at(before, old), **origins, "kept": sum(origins.values()) - origins["features"]}
+        totals = {key: totals[key] + row[key] for key in totals}
+        print(f"| {name} | " + " | ".join(f"{row[key]:,}" for key in totals) + " |")
+    print("| all of them | " + " | ".join(f"{totals[key]:,}" for key in totals) + " |")
 
 
 if __name__ == "__main__":

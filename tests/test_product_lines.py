@@ -1,5 +1,5 @@
 """bench/product_lines.py sorts commits by the issues their messages name, in every spelling the
-history uses."""
+history uses, and counts code lines without blank lines, imports and docstrings."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from product_lines import issues_named  # noqa: E402
+from product_lines import code_line_numbers, issues_named  # noqa: E402
 
 
 @pytest.mark.parametrize(("message", "named"), [
@@ -24,3 +24,14 @@ from product_lines import issues_named  # noqa: E402
 ])
 def test_issues_named_reads_every_spelling(message: str, named: set[int]):
     assert issues_named(message) == named
+
+
+def test_code_lines_leave_out_blank_lines_imports_and_docstrings():
+    text = ('"""Module docstring\n\nover three lines."""\n'
+            "from __future__ import annotations\n"
+            "import ast\n"
+            "\n"
+            "def f(x: int) -> int:\n"
+            '    """One line."""\n'
+            "    return x + 1\n")
+    assert code_line_numbers(text) == {7, 9}
