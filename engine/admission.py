@@ -105,9 +105,6 @@ class Preparing:
     future: Future[SamplingState] = field(init=False)
     started: float | None = None
 
-    def overdue(self, now: float, budget: ConstraintBudget) -> bool:
-        return self.started is not None and now - self.started > budget.compile_timeout_s
-
 
 @dataclass(frozen=True, slots=True)
 class Started:
@@ -133,11 +130,12 @@ class PreparingJobs:
     def add(self, serial: int, constraint: Constraint, seed: int, stop_ids: frozenset[int]) -> None:
         """Start the job's grammar on a compile thread; started() hands over its sampling state."""
         preparing = self._jobs[serial] = Preparing()
-        compiler, budget = self.setup.grammar_compiler, self.setup.budget
+        setup, budget = self.setup, self.setup.budget
 
         def start() -> SamplingState:
             preparing.started = time.monotonic()
-            return SamplingState(seed, stop_ids, compiler().start(constraint, stop_ids, budget))
+            grammar = setup.grammar_compiler().start(constraint, stop_ids, budget)
+            return setup.sampling_state(seed, stop_ids, grammar, None)
 
         preparing.future = self._pool.submit(start)
 
@@ -156,7 +154,7 @@ class PreparingJobs:
                 except Exception as error:  # noqa: BLE001 - a grammar that cannot start fails its job alone
                     out.append(Started(serial, None, str(error) if isinstance(error, JobRejected)
                                        else f"constraint: {error}"))
-            elif preparing.overdue(now, budget):
+            elif preparing.started is not None and now - preparing.started > budget.compile_timeout_s:
                 del self._jobs[serial]
                 out.append(Started(serial, None, f"constraint: the grammar took longer than "
                                                  f"{budget.compile_timeout_s:g} s to compile (compile_timeout_s)"))
