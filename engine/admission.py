@@ -170,10 +170,10 @@ class JobSetup:
     compile thread for the first constrained job, about a second: PreparingJobs) and token
     healing's mask. budget bounds each grammar's start."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, budget: ConstraintBudget | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, budget: ConstraintBudget) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.budget = budget or ConstraintBudget()
+        self.budget = budget
         self.compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._healing_masks: dict[int, torch.Tensor] = {}  # removed token -> the tokens that may replace it

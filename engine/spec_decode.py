@@ -68,9 +68,7 @@ def verify_rows(sequence: Sequence, state: SamplingState, draft: Seq[int]) -> li
     """The k + 1 sampler rows that verify a draft of k tokens: position i draws the job's token
     num_generated + i after draft[:i], under the constraint's mask there (if the job has one)."""
     generated = sequence.num_generated
-    masks: torch.Tensor | None = None
-    if state.constraint is not None:
-        masks = state.constraint.draft_masks(draft)
+    masks = state.constraint.draft_masks(draft) if state.constraint is not None else None
     return [SampleRow(sequence, state, generated + i, tuple(draft[:i]), commit=False,
                       allowed=None if masks is None else masks[i]) for i in range(len(draft) + 1)]
 
