@@ -1,6 +1,6 @@
 """Admission: the checks that refuse a job at enqueue (each naming the field and the limit:
 JobRejected), and the sampling state an admitted job starts with. A constrained job's grammar is
-started on the compile threads (JobSetup.prepare), never on the engine loop: it can take seconds."""
+started on the compile threads (PreparingJobs.add), never on the engine loop: it can take seconds."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _lower_priority() -> None:
 
 def admit(job: Job, limits: Limits) -> None:
     """JobRejected naming why the job can never run here. Its constraint is checked as it starts
-    (JobSetup.prepare), off the engine loop."""
+    (PreparingJobs.add), off the engine loop."""
     _check_fits(job, limits)
     try:
         job.gen_settings.validate(limits.vocab_size)
@@ -73,10 +73,8 @@ def _check_fits(job: Job, limits: Limits) -> None:
         limit = f"max_seq_len={limits.max_seq_len}"
         if limits.whole_cache_pages is not None:
             limit += f" (the whole KV cache: {limits.whole_cache_pages} pages x {limits.page_size} tokens)"
-        raise JobRejected(
-            f"input_ids: {len(job.input_ids)} tokens + max_new_tokens ({job.max_new_tokens}) = {total} "
-            f"exceeds the model's {limit}"
-        )
+        raise JobRejected(f"input_ids: {len(job.input_ids)} tokens + max_new_tokens ({job.max_new_tokens}) = "
+                          f"{total} exceeds the model's {limit}")
     vocab = limits.vocab_size
     for name, ids in (("input_ids", (t for t in job.input_ids if t not in job.embedding_rows)),
                       ("stop_conditions", sorted(job.stop_token_ids or ()))):
