@@ -1,6 +1,6 @@
 """Admission: the checks that refuse a job at enqueue (each naming the field and the limit:
 JobRejected), and the sampling state an admitted job starts with. A constrained job's grammar is
-started on the compile threads (JobSetup.prepare), never on the engine loop: it can take seconds."""
+started on the compile threads (PreparingJobs.add), never on the engine loop: it can take seconds."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Limits:
     page_size: int
     whole_cache_pages: int | None
     draft_model: bool
-    max_chunk_size: int | None = None
+    max_chunk_size: int
 
 
 COMPILE_THREADS = 2
@@ -53,7 +53,7 @@ def _lower_priority() -> None:
 
 def admit(job: Job, limits: Limits) -> None:
     """JobRejected naming why the job can never run here. Its constraint is checked as it starts
-    (JobSetup.prepare), off the engine loop."""
+    (PreparingJobs.add), off the engine loop."""
     _check_fits(job, limits)
     try:
         job.gen_settings.validate(limits.vocab_size)
@@ -73,22 +73,19 @@ def _check_fits(job: Job, limits: Limits) -> None:
         limit = f"max_seq_len={limits.max_seq_len}"
         if limits.whole_cache_pages is not None:
             limit += f" (the whole KV cache: {limits.whole_cache_pages} pages x {limits.page_size} tokens)"
-        raise JobRejected(
-            f"input_ids: {len(job.input_ids)} tokens + max_new_tokens ({job.max_new_tokens}) = {total} "
-            f"exceeds the model's {limit}"
-        )
+        raise JobRejected(f"input_ids: {len(job.input_ids)} tokens + max_new_tokens ({job.max_new_tokens}) = "
+                          f"{total} exceeds the model's {limit}")
     vocab = limits.vocab_size
-    bad = next((t for t in job.input_ids if not 0 <= t < vocab and t not in job.embedding_rows), None)
-    if bad is not None:
-        raise JobRejected(f"input_ids contains token id {bad}, outside the vocabulary [0, {vocab})")
-    bad = next((t for t in sorted(job.stop_token_ids or ()) if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise JobRejected(f"stop_conditions contains token id {bad}, outside the vocabulary [0, {vocab})")
+    for name, ids in (("input_ids", (t for t in job.input_ids if t not in job.embedding_rows)),
+                      ("stop_conditions", sorted(job.stop_token_ids or ()))):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise JobRejected(f"{name} contains token id {bad}, outside the vocabulary [0, {vocab})")
     if job.embeddings and limits.draft_model:
         raise JobRejected("embeddings: not supported with a draft model (it has no rows for the embedding "
                           "tokens); use n-gram drafts (use_ngram_draft=True) or no speculation")
     longest = max((end - start for start, end in job.bidirectional_spans), default=0)
-    if limits.max_chunk_size is not None and longest > limits.max_chunk_size:
+    if longest > limits.max_chunk_size:
         raise JobRejected(f"embeddings: an image of {longest} tokens attends to itself both ways and runs in one "
                           f"prefill chunk, longer than the engine's max_chunk_size={limits.max_chunk_size}")
     for embedding in job.embeddings:
@@ -99,16 +96,12 @@ def _check_fits(job: Job, limits: Limits) -> None:
 
 @dataclass
 class Preparing:
-    """A constrained job whose grammar is being started on a compile thread; started: when the
-    thread took it up (None while it waits for one), which its compile budget counts from."""
+    """A constrained job whose grammar is being started on a compile thread (future: the job's
+    sampling state); started: when the thread took it up (None while it waits for one), which its
+    compile budget counts from."""
 
-    seed: int
-    stop_ids: frozenset[int]
+    future: Future[SamplingState] = field(init=False)
     started: float | None = None
-    future: Future[ConstraintState] = field(init=False)
-
-    def overdue(self, now: float, budget: ConstraintBudget) -> bool:
-        return self.started is not None and now - self.started > budget.compile_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +120,22 @@ class PreparingJobs:
     def __init__(self, setup: JobSetup) -> None:
         self.setup = setup
         self._jobs: dict[int, Preparing] = {}
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="genq-grammar", initializer=_lower_priority)
 
     def __len__(self) -> int:
         return len(self._jobs)
 
     def add(self, serial: int, constraint: Constraint, seed: int, stop_ids: frozenset[int]) -> None:
-        self._jobs[serial] = self.setup.prepare(constraint, seed, stop_ids)
+        """Start the job's grammar on a compile thread; started() hands over its sampling state."""
+        preparing = self._jobs[serial] = Preparing()
+        setup, budget = self.setup, self.setup.budget
+
+        def start() -> SamplingState:
+            preparing.started = time.monotonic()
+            grammar = setup.grammar_compiler().start(constraint, stop_ids, budget)
+            return setup.sampling_state(seed, stop_ids, grammar, None)
+
+        preparing.future = self._pool.submit(start)
 
     def discard(self, serial: int) -> None:
         self._jobs.pop(serial, None)
@@ -145,14 +148,11 @@ class PreparingJobs:
             if preparing.future.done():
                 del self._jobs[serial]
                 try:
-                    state = preparing.future.result()
+                    out.append(Started(serial, preparing.future.result()))
                 except Exception as error:  # noqa: BLE001 - a grammar that cannot start fails its job alone
                     out.append(Started(serial, None, str(error) if isinstance(error, JobRejected)
                                        else f"constraint: {error}"))
-                    continue
-                out.append(Started(serial, self.setup.sampling_state(preparing.seed, preparing.stop_ids, state,
-                                                                     None)))
-            elif preparing.overdue(now, budget):
+            elif preparing.started is not None and now - preparing.started > budget.compile_timeout_s:
                 del self._jobs[serial]
                 out.append(Started(serial, None, f"constraint: the grammar took longer than "
                                                  f"{budget.compile_timeout_s:g} s to compile (compile_timeout_s)"))
@@ -164,38 +164,25 @@ class PreparingJobs:
 
 
 class JobSetup:
-    """What an admitted job's sampling starts from: its grammar's matcher and first mask (started
-    on the compile threads; the tokenizer's grammar compiler is built there on the first
-    constrained job, about a second) and token healing's mask. budget bounds each start."""
+    """What an admitted job's sampling starts from: the tokenizer's grammar compiler (built on a
+    compile thread for the first constrained job, about a second: PreparingJobs) and token
+    healing's mask. budget bounds each grammar's start."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, budget: ConstraintBudget | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, budget: ConstraintBudget) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.budget = budget or ConstraintBudget()
+        self.budget = budget
         self.compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
-        self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="genq-grammar",
-                                                initializer=_lower_priority)
         self._healing_masks: dict[int, torch.Tensor] = {}  # removed token -> the tokens that may replace it
-
-    def prepare(self, constraint: Constraint, seed: int, stop_ids: frozenset[int]) -> Preparing:
-        """Start the job's grammar on a compile thread; sampling_state() takes the result."""
-        budget = self.budget
-        preparing = Preparing(seed, stop_ids)
-
-        def start() -> ConstraintState:
-            preparing.started = time.monotonic()
-            return self._compiler().start(constraint, stop_ids, budget)
-
-        preparing.future = self._compile_pool.submit(start)
-        return preparing
 
     def sampling_state(self, seed: int, stop_ids: frozenset[int], constraint: ConstraintState | None,
                        healed: int | None) -> SamplingState:
         heal_mask = self._healing_mask(healed) if healed is not None else None
         return SamplingState(seed, stop_ids, constraint, heal_mask=heal_mask)
 
-    def _compiler(self) -> ConstraintCompiler:
+    def grammar_compiler(self) -> ConstraintCompiler:
+        """The tokenizer's grammar compiler, built by the first compile thread that needs it."""
         with self._compiler_lock:
             if self.compiler is None:
                 self.compiler = ConstraintCompiler(self.tokenizer.backend.to_str(), self.vocab_size,

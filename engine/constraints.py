@@ -21,7 +21,7 @@ admits nothing but the end stops at once with eos_reason
 (constraint, tokenizer) and cached.
 
 Starting a grammar can take seconds (a 5,400-property JSON Schema builds its matcher in about
-2 s; the regex `(a{1000}){1000}` spends as long on its first mask), so JobSetup starts it on
+2 s; the regex `(a{1000}){1000}` spends as long on its first mask), so PreparingJobs starts it on
 the compile threads, never on the engine loop: llguidance releases the GIL while it builds a
 matcher and computes a mask (bench: a Python thread beside it is never held up more than
 25 ms), so a thread is enough here. The job joins the scheduler when its matcher and first mask

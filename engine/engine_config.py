@@ -10,7 +10,7 @@ that owns the field of that name: the field names here are the only list.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal
 
 CacheDtype = Literal["auto", "fp8", "q8", "q4", "k8v4"]
@@ -135,12 +135,11 @@ def resolve_limits(scheduler: SchedulerConfig, max_context_len: int, num_pages: 
     return ResolvedLimits(max_seq_len, max_chunk_size, max_batch_size, max_seq_len == capacity)
 
 
-_GROUPS: dict[str, type] = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
-                            "constraints": ConstraintBudget}
-
-
 def option_names() -> dict[str, str]:
-    """Every flat option name -> the group that owns it ("" for EngineConfig's own fields)."""
-    names = {f.name: group for group, cls in _GROUPS.items() for f in fields(cls)}
-    names.update({f.name: "" for f in fields(EngineConfig) if f.name not in _GROUPS})
+    """Every flat option name -> the group that owns it ("" for EngineConfig's own fields); a group
+    is a field of EngineConfig whose default is a dataclass."""
+    names: dict[str, str] = {}
+    for top in fields(EngineConfig):
+        group = top.default_factory
+        names.update({f.name: top.name for f in fields(group)} if is_dataclass(group) else {top.name: ""})
     return names

@@ -37,18 +37,15 @@ class LoadedEngine:
 
 def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str | None, config: EngineConfig,
                 progress: Callable[[int, int], None] | None = None,
-                draft_model_path: str | Path | None = None, device_info: devices.DeviceInfo | None = None,
-                mmproj: str | Path | None = None) -> LoadedEngine:
+                draft_model_path: str | Path | None = None, mmproj: str | Path | None = None) -> LoadedEngine:
     """The cache holds config.cache.cache_tokens, else cache_memory bytes' worth, else a device
     default (1 GiB on CPU; on CUDA engine/memory_plan.py's budget: gpu_memory_utilization of the
-    GPU less what the weights and everything else use and a step's reserve; device_info answers for
-    the GPU, by default the driver: engine/device_info.py), never more than max_batch_size *
-    max_seq_len tokens would use. cache_dtype stores K/V as the model's dtype ("auto") or
-    quantized (kernels.KV_CACHE_DTYPES), for both caches; the same memory then holds
-    proportionally more tokens. config.quantize keeps the main model's linear layers
-    weight-only quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it);
-    config.cpu_int8 then runs them as int8 dynamic-quantized matmuls (CPU and fp32 only:
-    engine/int8_dynamic.py). A
+    GPU less what the weights and everything else use and a step's reserve), never more than
+    max_batch_size * max_seq_len tokens would use. cache_dtype stores K/V as the model's dtype
+    ("auto") or quantized (kernels.KV_CACHE_DTYPES), for both caches; the same memory then holds
+    proportionally more tokens. config.quantize keeps the main model's linear layers weight-only
+    quantized (engine/quantized_linear.py; a GGUF 4/8-bit file maps onto it); config.cpu_int8 then
+    runs them as int8 dynamic-quantized matmuls (CPU and fp32 only: engine/int8_dynamic.py). A
     vision-language directory's tower and image processor load too, in the model's dtype
     (engine/vision/images.py); without preprocessor_config.json it runs text only. mmproj names a
     llama.cpp mmproj GGUF whose tower and processor go with the text model (engine/vision/mmproj.py)."""
@@ -66,7 +63,7 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
     cache_tokens = cache_config.cache_tokens
     if cache_tokens is None:
         memory = cache_config.cache_memory if cache_config.cache_memory is not None else default_cache_bytes(
-            device, model, config, device_info)
+            device, model, config)
         max_seq_len = config.scheduler.max_seq_len or model.config.max_context_len
         max_batch = config.scheduler.max_batch_size or DEFAULT_MAX_BATCH_SIZE
         cache_tokens = min(memory // per_token, max_seq_len * max_batch)
@@ -100,7 +97,8 @@ def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | str
 
 def default_cache_bytes(device: torch.device, model: CausalLM, config: EngineConfig,
                         device_info: devices.DeviceInfo | None = None) -> int:
-    """The cache's bytes when the configuration names none (see load_engine)."""
+    """The cache's bytes when the configuration names none (see load_engine); device_info answers for
+    the GPU, by default the driver (engine/device_info.py)."""
     if device.type == "cuda":
         info = device_info or devices.current(device)
         return cuda_cache_bytes(model.config, model.embed_tokens.weight.element_size(), info.total_memory,

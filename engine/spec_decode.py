@@ -43,18 +43,14 @@ def ngram_draft(tokens: Seq[int], max_ngram: int, num_draft: int) -> list[int]:
     suffix (up to max_ngram tokens) of the context, as prompt-lookup decoding
     does. The copy runs on into its own output, so a loop of period p still
     yields num_draft tokens rather than p."""
-    if num_draft <= 0:
-        return []
     context = list(tokens[-NGRAM_SEARCH_WINDOW:])
     length = len(context)
     for n in range(min(max_ngram, length - 1), 0, -1):
         suffix = context[-n:]
         for start in range(length - n - 1, -1, -1):
             if context[start : start + n] == suffix:
-                extended = context + []
-                for j in range(num_draft):
-                    extended.append(extended[start + n + j])
-                return extended[length:]
+                followed = context[start + n :]
+                return [followed[j % len(followed)] for j in range(num_draft)]
     return []
 
 
@@ -72,9 +68,7 @@ def verify_rows(sequence: Sequence, state: SamplingState, draft: Seq[int]) -> li
     """The k + 1 sampler rows that verify a draft of k tokens: position i draws the job's token
     num_generated + i after draft[:i], under the constraint's mask there (if the job has one)."""
     generated = sequence.num_generated
-    masks: torch.Tensor | None = None
-    if state.constraint is not None:
-        masks = state.constraint.draft_masks(draft)
+    masks = state.constraint.draft_masks(draft) if state.constraint is not None else None
     return [SampleRow(sequence, state, generated + i, tuple(draft[:i]), commit=False,
                       allowed=None if masks is None else masks[i]) for i in range(len(draft) + 1)]
 
@@ -90,14 +84,10 @@ class Drafter:
     max_ngram: int
     num_draft_tokens: int
 
-    @property
-    def active(self) -> bool:
-        return self.use_ngram or self.runner.draft_model is not None
-
     def propose(self, items: Seq[ScheduledSequence], states: dict[int, SamplingState]) -> dict[int, list[int]]:
         """serial -> draft tokens, for the jobs the scheduler left room for (stateful jobs never draft);
         a constrained job's draft stops where its grammar would refuse it."""
-        if not self.active:
+        if not self.use_ngram and self.runner.draft_model is None:
             return {}
         items = [item for item in items if item.draft_room and not item.sequence.job.gen_settings.stateful]
         if not items:
@@ -106,11 +96,10 @@ class Drafter:
             drafts = {item.sequence.serial: self._ngram(item.sequence)[: item.draft_room] for item in items}
         else:
             drafts = self._with_model(items, states)
-        for item in items:
-            constraint = states[item.sequence.serial].constraint
-            serial = item.sequence.serial
-            if constraint is not None and drafts.get(serial):
-                drafts[serial] = constraint.valid_prefix(drafts[serial])
+        for serial, draft in drafts.items():
+            constraint = states[serial].constraint
+            if constraint is not None and draft:
+                drafts[serial] = constraint.valid_prefix(draft)
         return {serial: draft for serial, draft in drafts.items() if draft}
 
     def _ngram(self, sequence: Sequence) -> list[int]:

@@ -56,10 +56,9 @@ class GeneratorStats:
 def collect(scheduler: Scheduler, pool: PagePool, page_size: int, counters: StepCounters, masks: MaskTimes | None
             ) -> GeneratorStats:
     """A snapshot of the generator's counters and of its cache."""
+    times = masks if masks is not None else MaskTimes()
     return GeneratorStats(
         active_jobs=scheduler.num_running, pending_jobs=len(scheduler.waiting), pages_total=pool.num_pages,
         pages_used=pool.num_used, pages_free=pool.num_free, pages_cached=pool.num_cached,
         page_size=page_size, preemptions=scheduler.num_preemptions, **asdict(counters),
-        constraint_masks=masks.masks if masks is not None else 0,
-        constraint_mask_s=masks.computed_s if masks is not None else 0.0,
-        constraint_mask_wait_s=masks.waited_s if masks is not None else 0.0)
+        constraint_masks=times.masks, constraint_mask_s=times.computed_s, constraint_mask_wait_s=times.waited_s)

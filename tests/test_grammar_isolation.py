@@ -16,7 +16,7 @@ hostile job at all), and it is the only part of a pause that is demonstrably not
 Everything else counts: the loop's own work, and its waits for the GIL or other threads (a
 compile thread holding the GIL would show). The forward runs on this thread alone (the
 generator fixture), so none of a step's CPU work waits on another thread's CPU. So there is no
-retry. Checked by starting the grammar on the loop thread instead (JobSetup.prepare calling
+retry. Checked by starting the grammar on the loop thread instead (PreparingJobs.add calling
 start() itself, not committed): the loop then paused 1.2 to 1.6 s for the schema and 1.3 s for
 the regex, all of it the engine's, and both tests failed; as committed, 5 to 60 ms here, with
 the machine's load average at 6 to 8. In the full suite the loop did pause 612 and 695 ms
