@@ -98,7 +98,7 @@ class BatchBuilder:
         decoding: sequences whose next row is a plain decode (their token at num_computed, its logits
         wanted), placed before `rows`: a decode step passes its rows so, and no BatchRow is built for
         them (vLLM v1's persistent InputBatch: the inputs come from the sequence's own state)."""
-        table_rows = self._decode_table(decoding)
+        table_rows = self._decode_table(decoding) if decoding else []  # other builds leave the decode rows be
         starts = [sequence.num_computed for sequence in decoding]
         firsts = [sequence.token_ids[start] for sequence, start in zip(decoding, starts)]
         single = not self._decode_embedded  # every row one token, no embeddings: the vectorised decode build
