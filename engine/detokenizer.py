@@ -74,7 +74,7 @@ class ByteTable(list[bytes]):
 
     def __init__(self, pieces: list[bytes]) -> None:
         super().__init__(pieces)
-        self.texts = [_whole_text(piece) for piece in pieces]
+        self.texts = {token: text for token, text in enumerate(map(_whole_text, pieces)) if text is not None}
 
 
 def _whole_text(piece: bytes) -> str | None:
@@ -171,7 +171,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         # The bytes table (module docstring), if the tokenizer has one: decoding without calling it.
         self._table = byte_table(tokenizer, skip_special_tokens)
-        self._texts = self._table.texts if isinstance(self._table, ByteTable) else None
+        self._texts: dict[int, str] = self._table.texts if isinstance(self._table, ByteTable) else {}
         self._window, self._prefix_text = self._initial_context(prompt_ids)
         # window[:read] is released and decodes to prefix_text; window[read:] is held.
         self._read = len(self._window)
@@ -202,16 +202,16 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the text they complete (may be "")."""
         if not token_ids:
             return ""
+        if self._fast and not self._pending and len(token_ids) == 1:
+            # nothing held and a token of whole characters: _add_from_table's result, without decoding
+            chunk = self._texts.get(token_ids[0])
+            if chunk is not None:
+                window = self._window
+                window.append(int(token_ids[0]))
+                self._advance(len(window), self._prefix_text + chunk, chunk)
+                self._chunks.append(chunk)
+                return chunk
         if self._fast and len(self._window) - self._read < RESYNC_AFTER_TOKENS:
-            texts = self._texts
-            if not self._pending and len(token_ids) == 1 and texts is not None and 0 <= token_ids[0] < len(texts):
-                # nothing held and a token of whole characters: _add_from_table's result, without decoding
-                chunk = texts[token_ids[0]]
-                if chunk is not None:
-                    self._window.append(int(token_ids[0]))
-                    self._advance(len(self._window), self._prefix_text + chunk, chunk)
-                    self._chunks.append(chunk)
-                    return chunk
             chunk = self._add_from_table(token_ids)
             if chunk is not None:
                 if chunk:
