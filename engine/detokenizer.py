@@ -68,6 +68,24 @@ class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class ByteTable(list[bytes]):
+    """The bytes table, with each token's text where its bytes alone are whole characters (else None):
+    add() releases such a token's text from it when nothing is held, without decoding."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        super().__init__(pieces)
+        self.texts = {token: text for token, text in enumerate(map(_whole_text, pieces)) if text is not None}
+
+
+def _whole_text(piece: bytes) -> str | None:
+    """The piece's text if it is non-empty, valid UTF-8 without U+FFFD (which the general path decides on)."""
+    try:
+        text = piece.decode()
+    except UnicodeDecodeError:
+        return None
+    return text if text and REPLACEMENT_CHAR not in text else None
+
+
 # tokenizer -> (its vocabulary size when the tables were built, skip_special_tokens -> table or None)
 _TABLES: WeakKeyDictionary[object, tuple[int, dict[bool, list[bytes] | None]]] = WeakKeyDictionary()
 # Random id sequences decode() must agree with the table on before the table is used.
@@ -128,7 +146,7 @@ def _build_table(backend: BackendTokenizer, size: int, skip_special_tokens: bool
     decoded = backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
     if any(b"".join(table[t] for t in ids).decode(errors="replace") != text for ids, text in zip(sequences, decoded)):
         return None
-    return table
+    return ByteTable(table)
 
 
 class IncrementalDetokenizer:
@@ -153,6 +171,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         # The bytes table (module docstring), if the tokenizer has one: decoding without calling it.
         self._table = byte_table(tokenizer, skip_special_tokens)
+        self._texts: dict[int, str] = self._table.texts if isinstance(self._table, ByteTable) else {}
         self._window, self._prefix_text = self._initial_context(prompt_ids)
         # window[:read] is released and decodes to prefix_text; window[read:] is held.
         self._read = len(self._window)
@@ -183,6 +202,15 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the text they complete (may be "")."""
         if not token_ids:
             return ""
+        if self._fast and not self._pending and len(token_ids) == 1:
+            # nothing held and a token of whole characters: _add_from_table's result, without decoding
+            chunk = self._texts.get(token_ids[0])
+            if chunk is not None:
+                window = self._window
+                window.append(int(token_ids[0]))
+                self._advance(len(window), self._prefix_text + chunk, chunk)
+                self._chunks.append(chunk)
+                return chunk
         if self._fast and len(self._window) - self._read < RESYNC_AFTER_TOKENS:
             chunk = self._add_from_table(token_ids)
             if chunk is not None:
@@ -345,14 +373,15 @@ class IncrementalDetokenizer:
             self._read = len(self._window)
         return chunk
 
-    def _advance(self, read: int, prefix_text: str) -> None:
-        """Mark window[:read] released; cut the window back once it holds more than WINDOW_TOKENS released tokens."""
+    def _advance(self, read: int, prefix_text: str, step_text: str | None = None) -> None:
+        """Mark window[:read] released; cut the window back once it holds more than WINDOW_TOKENS released
+        tokens. step_text: the decoding of window[old read:read] (the tokens the cut keeps), when known."""
         self._cut, self._read, self._prefix_text = self._read, read, prefix_text
         if self._read > WINDOW_TOKENS and self._cut:
             del self._window[: self._cut]
             self._read -= self._cut
             self._cut = 0
-            self._prefix_text = self._decode(self._window[: self._read])
+            self._prefix_text = step_text if step_text is not None else self._decode(self._window[: self._read])
             # The cut window's prefix may start inside a character and so end in U+FFFD.
             self._check_fast()
 

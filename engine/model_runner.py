@@ -72,35 +72,37 @@ class BatchBuilder:
         # serial -> (table row, page_version written)
         self._rows: dict[int, list[int]] = {}
         self.lora_slots = LoraSlots()  # the adapters' stacked weights: the registry frees a slot on offload
+        # The persistent decode rows (vLLM v1's InputBatch): the last decode step's sequences in order,
+        # their table rows and page versions, and how many have image embeddings or an adapter. A
+        # step whose decode rows are these (less those released, plus newcomers after them) reads
+        # their positions and tokens only; joins and departures cost per-row work, steps do not.
+        self._decoding: list[Sequence] = []
+        self._decode_rows: list[int] = []
+        self._decode_versions: list[int] = []
+        self._decode_embedded = self._decode_adapted = 0
 
     def release(self, serial: int) -> None:
-        """The sequence left the running batch; its table row is free."""
+        """The sequence left the running batch; its table row is free, and its decode row goes
+        (the rows after it move up, in order)."""
         entry = self._rows.pop(serial, None)
         if entry is not None:
             self._free.append(entry[0])
+        at = next((i for i in range(len(self._decoding) - 1, -1, -1) if self._decoding[i].serial == serial), None)
+        if at is not None:
+            sequence = self._decoding.pop(at)
+            del self._decode_rows[at], self._decode_versions[at]
+            self._count_decode(sequence, -1)
 
     def build(self, rows: Seq[BatchRow], adapters: bool = True, decoding: Seq[Sequence] = ()) -> ForwardBatch:
         """adapters=False leaves out the rows' LoRA adapters (the draft model runs without them).
         decoding: sequences whose next row is a plain decode (their token at num_computed, its logits
         wanted), placed before `rows`: a decode step passes its rows so, and no BatchRow is built for
         them (vLLM v1's persistent InputBatch: the inputs come from the sequence's own state)."""
-        known = self._rows
-        table_rows: list[int] = []
-        starts: list[int] = []
-        firsts: list[int] = []
-        single = True  # every row one token, no embeddings: the vectorised decode build
-        adapted = False
-        for sequence in decoding:  # one pass over the rows: a decode step's host time grows with them
-            entry = known.get(sequence.serial)
-            table_rows.append(entry[0] if entry is not None and entry[1] == sequence.page_version
-                              else self._table_row(sequence))
-            start = sequence.num_computed
-            starts.append(start)
-            firsts.append(sequence.token_ids[start])
-            if sequence.job.embeddings:
-                single = False
-            if sequence.adapter is not None:
-                adapted = True
+        table_rows = self._decode_table(decoding) if decoding else []  # other builds leave the decode rows be
+        starts = [sequence.num_computed for sequence in decoding]
+        firsts = [sequence.token_ids[start] for sequence, start in zip(decoding, starts)]
+        single = not self._decode_embedded  # every row one token, no embeddings: the vectorised decode build
+        adapted = self._decode_adapted > 0
         wants = [1] * len(decoding)
         for row in rows:
             sequence = row.sequence
@@ -125,6 +127,34 @@ class BatchBuilder:
             every = [*((s.adapter, 1) for s in decoding), *((row.sequence.adapter, len(row.tokens)) for row in rows)]
             batch.lora = LoraBatch.build(every, self.device, self.lora_slots)
         return batch
+
+    def _decode_table(self, decoding: Seq[Sequence]) -> list[int]:
+        """The decode rows' table rows, from the persistent rows: kept while the step's decode rows
+        start with them in order, newcomers appended, a row rewritten where its pages changed."""
+        kept = len(self._decoding)
+        if decoding[:kept] != self._decoding:  # another order: start over
+            for sequence in self._decoding:
+                self._count_decode(sequence, -1)
+            self._decoding, self._decode_rows, self._decode_versions, kept = [], [], [], 0
+        for sequence in decoding[kept:]:
+            self._decoding.append(sequence)
+            self._decode_rows.append(self._table_row(sequence))
+            self._decode_versions.append(sequence.page_version)
+            self._count_decode(sequence, 1)
+        rows, versions = list(self._decode_rows), self._decode_versions
+        current = [sequence.page_version for sequence in decoding]
+        if current != versions:
+            for i, sequence in enumerate(decoding):
+                if current[i] != versions[i]:
+                    rows[i] = self._decode_rows[i] = self._table_row(sequence)
+                    versions[i] = current[i]
+        return rows
+
+    def _count_decode(self, sequence: Sequence, change: int) -> None:
+        if sequence.job.embeddings:
+            self._decode_embedded += change
+        if sequence.adapter is not None:
+            self._decode_adapted += change
 
     def _table_row(self, sequence: Sequence) -> int:
         entry = self._rows.get(sequence.serial)

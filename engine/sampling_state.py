@@ -26,6 +26,17 @@ class SamplingState:
     banned_at: dict[int, frozenset[int]] = field(default_factory=dict)
     heal_mask: torch.Tensor | None = None
     mu_history: list[torch.Tensor] = field(default_factory=list)
+    _row: SampleRow | None = field(default=None, repr=False)
+
+    def next_row(self, sequence: Sequence) -> SampleRow:
+        """The row that draws the job's next token: one per job, its draw moved each step (vLLM v1's
+        persistent batch: nothing is built per job per step). A step's sampling, and everything that
+        reads its rows, is done before the next step's rows are made."""
+        row = self._row
+        if row is None:
+            row = self._row = SampleRow(sequence, self, 0)
+        row.draw = len(sequence.token_ids) - sequence.num_prompt_tokens
+        return row
 
     def ban(self, origin: int, token: int) -> None:
         """A banned-string rewind to generated token `origin`: `token` is banned there, and the bans
@@ -41,9 +52,8 @@ class SampleRow:
     of its tokens plus `pending` (draft tokens not yet accepted, for verify and draft rows).
     commit: the drawn token is the job's (plain rows), so counts and mirostat's mu move with it;
     verify and draft rows leave the state alone (the step records what verification keeps).
-    allowed: a [vocab] bool mask this row obeys instead of the constraint's current mask. Never
-    changed once built, but not frozen: one is built per job per step, and a frozen dataclass's
-    __init__ (object.__setattr__ per field) costs about five times as much."""
+    allowed: a [vocab] bool mask this row obeys instead of the constraint's current mask. Not frozen:
+    a job's plain row is kept across steps (SamplingState.next_row), its draw moved once a step."""
 
     sequence: Sequence
     state: SamplingState
@@ -51,11 +61,6 @@ class SampleRow:
     pending: tuple[int, ...] = ()
     commit: bool = True
     allowed: torch.Tensor | None = None
-
-    @classmethod
-    def next_token(cls, sequence: Sequence, state: SamplingState) -> SampleRow:
-        """The row that draws the job's next token."""
-        return cls(sequence, state, sequence.num_generated)
 
     @property
     def context(self) -> list[int]:

@@ -184,18 +184,7 @@ class Scheduler:
                 decoding.append(sequence)
             elif uncomputed > 1:
                 prefilling.append(sequence)
-        # Speculation pays while decoding is memory-bound; a large batch is compute-bound already.
-        drafts = self.num_draft_tokens if len(decoding) <= self.max_speculative_batch else 0
-        running = self._running
-        for sequence in decoding:
-            if step.budget == 0:
-                break
-            if sequence.serial not in running:
-                continue
-            room = max(0, min(drafts, step.budget - 1, sequence.job.max_new_tokens - sequence.num_generated - 1)
-                       ) if drafts else 0
-            if self._grow(sequence, len(sequence.token_ids) + room, step):
-                self._schedule(sequence, 1, step, draft_room=room)
+        self._schedule_decodes(decoding, step)
 
         for sequence in prefilling:
             if step.budget == 0:
@@ -210,22 +199,57 @@ class Scheduler:
             self._admit(step)
         return step.freeze()
 
+    def _schedule_decodes(self, decoding: list[Sequence], step: _Draft) -> None:
+        """Schedule the decoding sequences' next token. A plain decode whose pages have room and
+        that completes no page (nearly every one, every step) takes the inline path: its cached
+        entry, no page lookups."""
+        # Speculation pays while decoding is memory-bound; a large batch is compute-bound already.
+        drafts = self.num_draft_tokens if len(decoding) <= self.max_speculative_batch else 0
+        running, chosen, scheduled = self._running, step.chosen, step.scheduled
+        size, naming = self.kv.page_size, self.kv.prefix_caching
+        for sequence in decoding:
+            if step.budget == 0:
+                break
+            serial = sequence.serial
+            if serial not in running:
+                continue
+            length = len(sequence.token_ids)
+            if (not drafts and length <= len(sequence.pages) * size
+                    and not (naming and length // size > sequence.registered_pages)):
+                scheduled.append(self._decode_item(sequence))
+                chosen.add(serial)
+                step.budget -= 1
+                continue
+            room = max(0, min(drafts, step.budget - 1, sequence.job.max_new_tokens - sequence.num_generated - 1)
+                       ) if drafts else 0
+            if self._grow(sequence, length + room, step):
+                self._schedule(sequence, 1, step, draft_room=room)
+
+    def _decode_item(self, sequence: Sequence) -> ScheduledSequence:
+        """The sequence's plain decode entry (one token, sampled, no draft room), built once."""
+        item = self._decode_items.get(sequence.serial)
+        if item is None:
+            item = self._decode_items[sequence.serial] = ScheduledSequence(sequence, 1, True)
+        return item
+
     def update_from_output(
         self, output: SchedulerOutput, accepted_drafts: Mapping[int, int], finished: Iterable[Sequence]
     ) -> None:
         """After the forward: the scheduled tokens (and accepted_drafts[serial]
         draft tokens) are computed; finished sequences leave and free their pages."""
-        kv = self.kv
+        kv, running, charge = self.kv, self._running, self.waiting.charge
+        windowed = kv.sliding_window is not None
         for item in output.scheduled:
             sequence = item.sequence
-            if sequence.serial not in self._running:
+            if sequence.serial not in running:
                 continue
-            computed = item.num_tokens + accepted_drafts.get(sequence.serial, 0)
+            computed = item.num_tokens + accepted_drafts.get(sequence.serial, 0) if accepted_drafts else item.num_tokens
             sequence.num_computed += computed
-            self.waiting.charge(sequence, computed)
+            charge(sequence, computed)
             if item.draft_room:
                 kv.trim(sequence, len(sequence.token_ids))
-            kv.release_out_of_window(sequence)
+            if windowed:
+                kv.release_out_of_window(sequence)
         for sequence in finished:
             self.remove(sequence)
 
@@ -320,9 +344,7 @@ class Scheduler:
         end = sequence.num_computed + num_tokens
         samples = end == len(sequence.token_ids)
         if num_tokens == 1 and samples and not draft_room:
-            item = self._decode_items.get(sequence.serial)
-            if item is None:
-                item = self._decode_items[sequence.serial] = ScheduledSequence(sequence, 1, True)
+            item = self._decode_item(sequence)
         else:
             item = ScheduledSequence(sequence, num_tokens, samples, draft_room)
         step.scheduled.append(item)

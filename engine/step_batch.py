@@ -75,20 +75,17 @@ class StepBatch:
         draft of k tokens."""
         decoding: list[Sequence] = []
         rows: list[BatchRow] = []
-        samples: list[SampleRow] = []
         sampled: list[SampledJob] = []
         prompts: list[PromptChunk] = []
         prompts_done: list[Sequence] = []
-        prompt_tokens = 0
         for item in scheduled:  # the leading plain decode rows (nearly every row of a decode step)
             sequence = item.sequence
             if (item.num_tokens != 1 or not item.samples or sequence.job.prompt_logprobs is not None
                     or (drafts and drafts.get(sequence.serial))):
                 break
             decoding.append(sequence)
-            samples.append(SampleRow.next_token(sequence, states[sequence.serial]))
-            if sequence.num_computed < sequence.num_prompt_tokens:
-                prompt_tokens += 1
+        samples = [states[sequence.serial].next_row(sequence) for sequence in decoding]
+        prompt_tokens = sum(1 for sequence in decoding if sequence.num_computed < sequence.num_prompt_tokens)
         sample_at = list(range(len(decoding)))  # the logits row of each sample row
         logits_rows = len(decoding)
         for item in scheduled[len(decoding):]:
@@ -107,7 +104,7 @@ class StepBatch:
                 sample_at += range(logits_rows - 1 - len(draft), logits_rows)
                 sampled.append(SampledJob(sequence, len(samples), draft))
                 state = states[sequence.serial]
-                samples += verify_rows(sequence, state, draft) if draft else [SampleRow.next_token(sequence, state)]
+                samples += verify_rows(sequence, state, draft) if draft else [state.next_row(sequence)]
             if sequence.num_computed < sequence.num_prompt_tokens:
                 prompt_tokens += min(item.num_tokens, sequence.num_prompt_tokens - sequence.num_computed)
         picked = sample_at if logits_rows > len(sample_at) else None  # prompt rows besides the sample rows
@@ -203,10 +200,12 @@ def take_tokens(batch: StepBatch, drawn: Drawn, states: dict[int, SamplingState]
         if not draft and state.constraint is None and not logprobs and token >= 0:
             # append_tokens for one plain token without its loop and grammar: nearly every job of a
             # decode step
-            sequence.append(token)
+            token_ids = sequence.token_ids
+            token_ids.append(token)
+            sequence.output_ids.append(token)
             plain += 1
             appended.append(StepTokens(sequence, [token]))
-            if ends_with(sequence, state, token, sequence.num_generated):
+            if ends_with(sequence, state, token, len(token_ids) - sequence.num_prompt_tokens):
                 ended.append(sequence)
             continue
         emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]

@@ -12,6 +12,7 @@ import torch
 from engine import Generator, Job
 from engine.batch import ForwardBatch
 from engine.model_runner import BatchRow
+from engine.sequence import Sequence
 from engine.step_batch import StepBatch
 
 
@@ -60,3 +61,35 @@ def test_decode_rows_before_a_prefill_chunk_build_the_same_inputs(llama_dir: Pat
     assert len(batch.decoding) == 3 and len(batch.rows) == 1 and batch.rows[0].sequence.job.identifier == "long"
     assert len(batch.rows[0].tokens) > 1 and not batch.sampled
     _assert_same_inputs(built, expected)
+
+
+def test_persistent_decode_rows_match_the_general_build_across_joins_finishes_and_preemptions(llama_dir: Path):
+    """The builder keeps the decode rows across steps (condensed when a job leaves, extended when one
+    joins, rewritten where pages changed): at every step of a run with jobs joining, finishing at
+    different lengths and preempted for pages, its inputs equal those of one BatchRow per row."""
+    generator = Generator.from_pretrained(llama_dir, cache_tokens=96, page_size=8, max_batch_size=6,
+                                          max_chunk_size=16)
+    builder = generator.runner.builder
+    build = builder.build
+    compared: list[int] = []
+
+    def checked(rows: list[BatchRow], adapters: bool = True, decoding: list[Sequence] = ()) -> ForwardBatch:
+        built = build(rows, adapters, decoding=decoding)
+        if decoding:
+            plain = [BatchRow(s, s.num_computed, (s.token_ids[s.num_computed],), 1) for s in decoding]
+            _assert_same_inputs(built, build([*plain, *rows], adapters))
+            compared.append(len(decoding))
+        return built
+
+    builder.build = checked  # type: ignore[method-assign]
+    for i in range(4):
+        generator.enqueue(Job([5 + i] * (3 + i), 10 + 7 * i, stop_conditions=[], identifier=i))
+    steps = 0
+    while generator.num_remaining_jobs():
+        generator.iterate()
+        steps += 1
+        if steps in (3, 9):  # newcomers join a batch that is decoding
+            generator.enqueue([Job([9, 10 + steps], 12, stop_conditions=[], identifier=f"late-{steps}-{k}")
+                               for k in range(2)])
+    assert generator.scheduler.num_preemptions > 0
+    assert len(compared) > 20 and max(compared) >= 4

@@ -37,7 +37,7 @@ class Running:
     @property
     def row(self) -> SampleRow:
         """The row that draws (and commits) the job's next token."""
-        return SampleRow.next_token(self.sequence, self.state)
+        return self.state.next_row(self.sequence)
 
     def append(self, token: int) -> None:
         self.sequence.append(token)
