@@ -157,6 +157,12 @@ class KVManager:
         sequence.released_pages = len(prefix.pages) - len(held)
         sequence.num_computed = len(prefix.pages) * self.page_size
 
+    def steady(self, sequence: Sequence, num_tokens: int) -> bool:
+        """Whether the sequence's pages hold num_tokens tokens and those complete no page still to be
+        named: a step that ends there changes none of its pages (nearly every decode step)."""
+        return num_tokens <= len(sequence.pages) * self.page_size and not (
+            self.prefix_caching and num_tokens // self.page_size > sequence.registered_pages)
+
     def pages_missing(self, sequence: Sequence, num_tokens: int) -> int:
         """Pages to allocate so the sequence has room for num_tokens tokens."""
         return max(0, self.pages_for(num_tokens) - len(sequence.pages))

@@ -200,13 +200,12 @@ class Scheduler:
         return step.freeze()
 
     def _schedule_decodes(self, decoding: list[Sequence], step: _Draft) -> None:
-        """Schedule the decoding sequences' next token. A plain decode whose pages have room and
-        that completes no page (nearly every one, every step) takes the inline path: its cached
-        entry, no page lookups."""
+        """Schedule the decoding sequences' next token. A plain decode that changes none of its pages
+        (KVManager.steady: nearly every one, every step) takes the inline path: its cached entry, no
+        page growth or naming."""
         # Speculation pays while decoding is memory-bound; a large batch is compute-bound already.
         drafts = self.num_draft_tokens if len(decoding) <= self.max_speculative_batch else 0
-        running, chosen, scheduled = self._running, step.chosen, step.scheduled
-        size, naming = self.kv.page_size, self.kv.prefix_caching
+        running, chosen, scheduled, steady = self._running, step.chosen, step.scheduled, self.kv.steady
         for sequence in decoding:
             if step.budget == 0:
                 break
@@ -214,8 +213,7 @@ class Scheduler:
             if serial not in running:
                 continue
             length = len(sequence.token_ids)
-            if (not drafts and length <= len(sequence.pages) * size
-                    and not (naming and length // size > sequence.registered_pages)):
+            if not drafts and steady(sequence, length):
                 scheduled.append(self._decode_item(sequence))
                 chosen.add(serial)
                 step.budget -= 1
@@ -238,7 +236,6 @@ class Scheduler:
         """After the forward: the scheduled tokens (and accepted_drafts[serial]
         draft tokens) are computed; finished sequences leave and free their pages."""
         kv, running, charge = self.kv, self._running, self.waiting.charge
-        windowed = kv.sliding_window is not None
         for item in output.scheduled:
             sequence = item.sequence
             if sequence.serial not in running:
@@ -248,8 +245,7 @@ class Scheduler:
             charge(sequence, computed)
             if item.draft_room:
                 kv.trim(sequence, len(sequence.token_ids))
-            if windowed:
-                kv.release_out_of_window(sequence)
+            kv.release_out_of_window(sequence)
         for sequence in finished:
             self.remove(sequence)
 

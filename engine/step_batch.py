@@ -200,12 +200,10 @@ def take_tokens(batch: StepBatch, drawn: Drawn, states: dict[int, SamplingState]
         if not draft and state.constraint is None and not logprobs and token >= 0:
             # append_tokens for one plain token without its loop and grammar: nearly every job of a
             # decode step
-            token_ids = sequence.token_ids
-            token_ids.append(token)
-            sequence.output_ids.append(token)
+            sequence.append(token)
             plain += 1
             appended.append(StepTokens(sequence, [token]))
-            if ends_with(sequence, state, token, len(token_ids) - sequence.num_prompt_tokens):
+            if ends_with(sequence, state, token, sequence.num_generated):
                 ended.append(sequence)
             continue
         emitted = accept(draft, tokens[first : first + len(draft) + 1]) if draft else [tokens[first]]
