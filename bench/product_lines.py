@@ -80,16 +80,19 @@ def code_lines_by_origin(head: str, paths: Sequence[str]) -> dict[str, int]:
     recovery = git("rev-parse", RECOVERY).strip()
     later = set(git("rev-list", f"{RECOVERY}..{head}").split())
     origins: dict[str, int] = {"before": 0, "recovery": 0, "issue 22": 0, "features": 0}
+    origin_of: dict[str, str] = {}  # commit -> its origin, read once per commit
     for path in present:
         code = code_line_numbers(git("show", f"{head}:{path}"))
         for line in git("blame", "--porcelain", head, "--", path).splitlines():
             fields = line.split()
             if len(fields) >= 3 and len(fields[0]) == 40 and fields[2].isdigit() and int(fields[2]) in code:
                 commit = fields[0]
-                origin = ("recovery" if commit == recovery else "before" if commit not in later
-                          else "issue 22" if 22 in issues_named(git("log", "-1", "--format=%B", commit))
-                          else "features")
-                origins[origin] += 1
+                if commit not in origin_of:
+                    origin_of[commit] = (
+                        "recovery" if commit == recovery else "before" if commit not in later
+                        else "issue 22" if 22 in issues_named(git("log", "-1", "--format=%B", commit))
+                        else "features")
+                origins[origin_of[commit]] += 1
     return origins
 
 
